@@ -1,0 +1,303 @@
+//! The boundary between Switchboard's core and its platform adapters.
+//!
+//! Everything that crosses between a platform crate (`adapters/telegram`,
+//! `adapters/discord`, `adapters/webhook`) and the core is defined here, and
+//! nothing here knows a platform SDK:
+//!
+//! - inbound: an adapter turns a platform update into an [`Envelope`] and hands
+//!   it to an [`IngressSink`]; the sink returns only after the envelope is
+//!   durably journaled, and only then may the adapter acknowledge the update to
+//!   its platform (webhook 200, polling offset advance);
+//! - outbound: the core's dispatcher gives a [`ChannelAdapter`] an
+//!   [`OutboundMessage`] and gets back a [`Receipt`] or a [`DeliveryError`]
+//!   whose kind decides what the outbox does next.
+//!
+//! Architecture invariant: adapters do not touch the store. They see
+//! envelopes, outbound messages and receipts, nothing else.
+
+use std::fmt;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+
+/// The platform a channel account lives on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Platform {
+    Webhook,
+    Telegram,
+    Discord,
+}
+
+impl Platform {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Platform::Webhook => "webhook",
+            Platform::Telegram => "telegram",
+            Platform::Discord => "discord",
+        }
+    }
+}
+
+impl fmt::Display for Platform {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What kind of chat an update came from; together with the platform it picks
+/// the surface (`telegram.private`, `discord.guild`, `webhook`, ...).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ChatKind {
+    /// A one-to-one chat with the bot (Telegram private chat, Discord DM).
+    Private,
+    /// A chat with several people (Telegram group or supergroup, Discord guild channel).
+    Group,
+}
+
+impl ChatKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ChatKind::Private => "private",
+            ChatKind::Group => "group",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<ChatKind> {
+        match s {
+            "private" => Some(ChatKind::Private),
+            "group" => Some(ChatKind::Group),
+            _ => None,
+        }
+    }
+}
+
+/// The person (or bot) who sent an update.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Sender {
+    pub id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    #[serde(default)]
+    pub is_bot: bool,
+}
+
+/// A file the user sent, passed on by reference: the bytes stay on the
+/// platform and are never stored inline.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AttachmentRef {
+    /// A platform file id or a URL.
+    pub reference: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub media_type: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub filename: Option<String>,
+}
+
+/// What an update carries.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Content {
+    /// A message for the bot: text (possibly empty when only files were sent)
+    /// and attachment references.
+    Message {
+        text: String,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        attachments: Vec<AttachmentRef>,
+    },
+    /// An update kind this adapter does not turn into input. It is still
+    /// journaled, with disposition `ignored` and this reason, so nothing is
+    /// dropped silently.
+    Unsupported { kind: String, reason: String },
+}
+
+/// One inbound update, platform-neutral.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Envelope {
+    /// The channel account's configured name (`[channels.NAME]`).
+    pub account: String,
+    /// The platform's key for this update, unique per channel account
+    /// (Telegram `update_id`, Discord message snowflake, webhook `update_id`).
+    pub update_key: String,
+    pub chat_id: String,
+    pub chat_kind: ChatKind,
+    /// Forum topic or thread; part of the conversation's identity.
+    pub thread_id: Option<String>,
+    pub sender: Option<Sender>,
+    /// The platform message id of this update, so replies can reference it.
+    pub message_id: Option<String>,
+    pub content: Content,
+}
+
+/// The outcome of handing an envelope to the core, known only after commit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AcceptStatus {
+    /// A new journal row was committed.
+    Accepted,
+    /// The same `(account, update_key)` was journaled before; nothing changed.
+    Duplicate,
+}
+
+/// What the core tells an adapter once an envelope is durably journaled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Accepted {
+    pub status: AcceptStatus,
+    pub inbound_id: i64,
+    pub conversation_id: i64,
+}
+
+/// Why the core did not journal an envelope.
+#[derive(Debug, thiserror::Error)]
+pub enum IngressError {
+    /// The daemon is shutting down or not ready; the platform should retry later.
+    #[error("switchboard is not accepting updates right now: {0}")]
+    Unavailable(String),
+    /// No channel account of that name is configured.
+    #[error("unknown channel account {0:?}")]
+    UnknownAccount(String),
+    /// The envelope itself is not acceptable (the reason names the field).
+    #[error("{0}")]
+    Invalid(String),
+    /// The store failed; nothing was journaled. Retrying is safe.
+    #[error("the journal could not store the update: {0}")]
+    Store(String),
+}
+
+/// The core's entry point for inbound updates.
+#[async_trait]
+pub trait IngressSink: Send + Sync {
+    /// Journal the envelope and return once the row is committed (or was
+    /// already there). Only after `Ok` may the adapter acknowledge the update
+    /// to its platform.
+    async fn accept(&self, envelope: Envelope) -> Result<Accepted, IngressError>;
+
+    /// Record a request the adapter refused before it became an envelope
+    /// (malformed JSON, missing field, oversize body, bad secret), so an
+    /// operator can see it in logs and metrics. `code` is a short stable
+    /// label (`malformed_json`, `body_too_large`, ...).
+    fn record_rejection(&self, account: &str, code: &str, detail: &str);
+}
+
+/// Whether an outbound message creates a new platform message or edits one.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum SendAction {
+    Create,
+    Edit { message_id: String },
+}
+
+/// Core bookkeeping that some adapters pass on (the webhook channel puts it
+/// in its callback body); platform adapters may ignore it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OutboundMeta {
+    pub conversation_id: i64,
+    pub ordinal: i64,
+    pub run_id: Option<String>,
+}
+
+/// One message for the adapter to send.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutboundMessage {
+    /// The reply item key: stable across retries and restarts. Adapters with
+    /// an idempotency mechanism (Discord nonce, webhook `reply_key`) derive
+    /// it from this.
+    pub item_key: String,
+    pub chat_id: String,
+    pub thread_id: Option<String>,
+    pub text: String,
+    /// The platform message id this answers, when the surface references it.
+    pub reply_to: Option<String>,
+    pub action: SendAction,
+    pub meta: OutboundMeta,
+}
+
+/// The platform's confirmation of a send.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Receipt {
+    /// Platform message ids created or edited (one per message).
+    pub message_ids: Vec<String>,
+}
+
+/// Which rate-limit bucket a platform's "slow down" applies to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RateScope {
+    Chat,
+    Account,
+}
+
+/// Why a send did not produce a receipt. The kind decides the outbox's next
+/// step (DESIGN.md §4).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DeliveryError {
+    /// The platform asked us to wait; due again after `after`, not counted as
+    /// an attempt.
+    #[error("rate limited for {after:?}")]
+    RetryAfter { after: Duration, scope: RateScope },
+    /// Certainly not delivered (connection refused, 5xx before acceptance);
+    /// retried with backoff and counted as an attempt.
+    #[error("not sent: {0}")]
+    NotSent(String),
+    /// Refused for good (blocked, chat gone, invalid request).
+    #[error("refused: {0}")]
+    Permanent(String),
+    /// The request may have reached the platform (timeout after it left);
+    /// the item stays possibly-dispatched until reconciliation.
+    #[error("outcome unknown: {0}")]
+    Ambiguous(String),
+}
+
+/// How a platform counts text length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LengthUnit {
+    /// Unicode scalar values.
+    Chars,
+    /// UTF-16 code units (Telegram counts after entity parsing in these).
+    Utf16,
+}
+
+/// A token-bucket rate: `burst` sends at once, refilled at `per_second`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Rate {
+    pub per_second: f64,
+    pub burst: u32,
+}
+
+/// The platform's limits, declared by the adapter and enforced by the core.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Limits {
+    pub max_text_len: usize,
+    pub length_unit: LengthUnit,
+    pub per_chat: Option<Rate>,
+    pub per_group: Option<Rate>,
+    pub per_account: Option<Rate>,
+}
+
+/// What the platform can do, declared by the adapter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Capabilities {
+    /// A resend with the same item key never creates a second message
+    /// (Discord nonce, webhook receivers deduplicating on `reply_key`).
+    pub idempotent_send: bool,
+    /// Sent messages can be edited (streaming previews).
+    pub edit: bool,
+    /// A typing indicator exists.
+    pub typing: bool,
+}
+
+/// One channel account's outbound side.
+#[async_trait]
+pub trait ChannelAdapter: Send + Sync {
+    /// The account's store identity (`webhook:<name>`, `telegram:<bot id>`,
+    /// `discord:<application id>`).
+    fn identity(&self) -> &str;
+    fn platform(&self) -> Platform;
+    fn limits(&self) -> Limits;
+    fn capabilities(&self) -> Capabilities;
+    /// Send one message. Must not retry on its own: the outbox decides.
+    async fn send(&self, message: &OutboundMessage) -> Result<Receipt, DeliveryError>;
+}

@@ -1,0 +1,201 @@
+//! Replies go out as JSON POSTs to the account's callback URL.
+//!
+//! A 2xx is the receipt. Receivers deduplicate on `reply_key`, which makes a
+//! resend after an ambiguous outcome safe, so this adapter declares the
+//! `idempotent_send` capability.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use reqwest::StatusCode;
+use serde::{Deserialize, Serialize};
+use switchboard_channel::{
+    Capabilities, ChannelAdapter, DeliveryError, LengthUnit, Limits, OutboundMessage, Platform,
+    RateScope, Receipt, SendAction,
+};
+
+/// The JSON body POSTed to the callback URL for every reply.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CallbackBody {
+    /// Stable identity of this reply; the same on every resend.
+    pub reply_key: String,
+    pub conversation_id: i64,
+    pub chat_id: String,
+    pub thread_id: Option<String>,
+    /// Position of this reply in its conversation (1, 2, 3, ...).
+    pub ordinal: i64,
+    pub run_id: Option<String>,
+    pub text: String,
+    /// Present when this reply replaces an earlier one (a streaming preview).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub edits: Option<String>,
+}
+
+/// The outbound side of one webhook channel account.
+pub struct WebhookSender {
+    identity: String,
+    callback_url: reqwest::Url,
+    client: reqwest::Client,
+}
+
+impl WebhookSender {
+    /// `timeout` bounds one POST; a timeout after the request left is an
+    /// ambiguous outcome.
+    pub fn new(
+        identity: String,
+        callback_url: reqwest::Url,
+        timeout: Duration,
+    ) -> Result<Self, reqwest::Error> {
+        let client = reqwest::Client::builder()
+            .connect_timeout(timeout.min(Duration::from_secs(5)))
+            .timeout(timeout)
+            .pool_max_idle_per_host(64)
+            .build()?;
+        Ok(WebhookSender {
+            identity,
+            callback_url,
+            client,
+        })
+    }
+}
+
+/// How long to wait when a receiver says 429 without a usable Retry-After.
+const DEFAULT_RETRY_AFTER: Duration = Duration::from_secs(1);
+
+fn retry_after(headers: &reqwest::header::HeaderMap) -> Duration {
+    headers
+        .get(reqwest::header::RETRY_AFTER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .filter(|s| s.is_finite() && *s >= 0.0)
+        .map(|s| Duration::from_secs_f64(s.min(3600.0)))
+        .unwrap_or(DEFAULT_RETRY_AFTER)
+}
+
+/// Map a finished HTTP exchange to a receipt or a delivery error.
+fn classify(
+    status: StatusCode,
+    headers: &reqwest::header::HeaderMap,
+    reply_key: &str,
+) -> Result<Receipt, DeliveryError> {
+    if status.is_success() {
+        return Ok(Receipt {
+            message_ids: vec![reply_key.to_owned()],
+        });
+    }
+    if status == StatusCode::TOO_MANY_REQUESTS {
+        return Err(DeliveryError::RetryAfter {
+            after: retry_after(headers),
+            scope: RateScope::Account,
+        });
+    }
+    // A 5xx or 408 means the receiver did not take the reply. Receivers
+    // deduplicate on reply_key, so trying again later is always safe.
+    if status.is_server_error() || status == StatusCode::REQUEST_TIMEOUT {
+        return Err(DeliveryError::NotSent(format!(
+            "callback answered {status}"
+        )));
+    }
+    Err(DeliveryError::Permanent(format!(
+        "callback answered {status}"
+    )))
+}
+
+#[async_trait]
+impl ChannelAdapter for WebhookSender {
+    fn identity(&self) -> &str {
+        &self.identity
+    }
+
+    fn platform(&self) -> Platform {
+        Platform::Webhook
+    }
+
+    fn limits(&self) -> Limits {
+        Limits {
+            // The body limit of a typical receiver, not a platform rule:
+            // long answers are split into several replies past this.
+            max_text_len: 65_536,
+            length_unit: LengthUnit::Chars,
+            per_chat: None,
+            per_group: None,
+            per_account: None,
+        }
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            idempotent_send: true,
+            edit: false,
+            typing: false,
+        }
+    }
+
+    async fn send(&self, message: &OutboundMessage) -> Result<Receipt, DeliveryError> {
+        let body = CallbackBody {
+            reply_key: message.item_key.clone(),
+            conversation_id: message.meta.conversation_id,
+            chat_id: message.chat_id.clone(),
+            thread_id: message.thread_id.clone(),
+            ordinal: message.meta.ordinal,
+            run_id: message.meta.run_id.clone(),
+            text: message.text.clone(),
+            edits: match &message.action {
+                SendAction::Create => None,
+                SendAction::Edit { message_id } => Some(message_id.clone()),
+            },
+        };
+        let result = self
+            .client
+            .post(self.callback_url.clone())
+            .json(&body)
+            .send()
+            .await;
+        match result {
+            Ok(response) => classify(response.status(), response.headers(), &body.reply_key),
+            // Refused or unreachable before anything was written: certainly
+            // not delivered.
+            Err(e) if e.is_connect() => Err(DeliveryError::NotSent(format!(
+                "could not connect to the callback URL: {e}"
+            ))),
+            Err(e) if e.is_builder() => Err(DeliveryError::Permanent(format!(
+                "could not build the callback request: {e}"
+            ))),
+            // A timeout or a broken connection after the request left: the
+            // receiver may have it.
+            Err(e) => Err(DeliveryError::Ambiguous(format!(
+                "callback request did not complete: {e}"
+            ))),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use reqwest::header::{HeaderMap, HeaderValue, RETRY_AFTER};
+
+    #[test]
+    fn status_codes_map_to_delivery_kinds() {
+        let none = HeaderMap::new();
+        assert!(classify(StatusCode::OK, &none, "k").is_ok());
+        assert!(classify(StatusCode::NO_CONTENT, &none, "k").is_ok());
+        assert!(matches!(
+            classify(StatusCode::SERVICE_UNAVAILABLE, &none, "k"),
+            Err(DeliveryError::NotSent(_))
+        ));
+        assert!(matches!(
+            classify(StatusCode::GONE, &none, "k"),
+            Err(DeliveryError::Permanent(_))
+        ));
+        let mut h = HeaderMap::new();
+        h.insert(RETRY_AFTER, HeaderValue::from_static("3"));
+        assert_eq!(
+            classify(StatusCode::TOO_MANY_REQUESTS, &h, "k"),
+            Err(DeliveryError::RetryAfter {
+                after: Duration::from_secs(3),
+                scope: RateScope::Account
+            })
+        );
+    }
+}

@@ -1,0 +1,721 @@
+//! Typed configuration: one TOML file plus `SWITCHBOARD__SECTION__KEY`
+//! environment overrides, every key documented here and in
+//! `config/switchboard.toml`, unknown keys rejected, defaults in one place.
+//!
+//! Loading never half-succeeds: [`Config::load`] parses, then [`Config::validate`]
+//! checks cross-references (a channel's runtime exists, addresses parse) and
+//! returns every problem with the key that has it and what to do about it.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::surface::{Delivery, InputPolicy, OnAmbiguousSend, SurfaceKind, SurfaceSettings};
+
+/// The whole configuration.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Where durable state lives.
+    #[serde(default)]
+    pub store: StoreConfig,
+    /// The public HTTP listener (webhook channel updates).
+    #[serde(default)]
+    pub server: ServerConfig,
+    /// The operator listener (`/healthz`, `/metrics`).
+    #[serde(default)]
+    pub admin: AdminConfig,
+    /// Log output.
+    #[serde(default)]
+    pub log: LogConfig,
+    /// Agent runtimes, by name; channel accounts refer to them.
+    #[serde(default)]
+    pub runtimes: BTreeMap<String, RuntimeConfig>,
+    /// Channel accounts, by name.
+    #[serde(default)]
+    pub channels: BTreeMap<String, ChannelConfig>,
+    /// Surface settings (DESIGN.md §2), by surface name (`webhook`,
+    /// `telegram.private`, ...); unset keys keep the surface's defaults.
+    #[serde(default)]
+    pub surfaces: BTreeMap<String, SurfaceSettings>,
+    /// The outbox dispatcher.
+    #[serde(default)]
+    pub outbox: OutboxConfig,
+    /// The submitter (journal → runtime).
+    #[serde(default)]
+    pub submitter: SubmitterConfig,
+    /// Stopping.
+    #[serde(default)]
+    pub shutdown: ShutdownConfig,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StoreConfig {
+    /// `sqlite://PATH` (relative paths are relative to the working
+    /// directory; the file and its directory are created when missing).
+    #[serde(default = "default_store_url")]
+    pub url: String,
+    /// SQLite `synchronous`: `full` (default: a commit is on disk before it
+    /// is acknowledged) or `normal` (faster; a power cut can lose the last
+    /// commits, a process crash cannot).
+    #[serde(default)]
+    pub synchronous: Synchronous,
+    /// Largest number of journal rows one group commit writes.
+    #[serde(default = "default_batch_size")]
+    pub batch_size: usize,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Synchronous {
+    #[default]
+    Full,
+    Normal,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig {
+            url: default_store_url(),
+            synchronous: Synchronous::Full,
+            batch_size: default_batch_size(),
+        }
+    }
+}
+
+fn default_store_url() -> String {
+    "sqlite://data/switchboard.db".to_owned()
+}
+
+fn default_batch_size() -> usize {
+    512
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServerConfig {
+    /// `"host:port"` of the public listener. Port 0 picks a free port.
+    #[serde(default = "default_server_listen")]
+    pub listen: String,
+    /// Largest request body accepted, in bytes (default 1 MiB).
+    #[serde(default = "default_body_limit")]
+    pub body_limit: usize,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            listen: default_server_listen(),
+            body_limit: default_body_limit(),
+        }
+    }
+}
+
+fn default_server_listen() -> String {
+    "127.0.0.1:8780".to_owned()
+}
+
+fn default_body_limit() -> usize {
+    1024 * 1024
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdminConfig {
+    /// `"host:port"` of the admin listener; keep it on loopback.
+    #[serde(default = "default_admin_listen")]
+    pub listen: String,
+}
+
+impl Default for AdminConfig {
+    fn default() -> Self {
+        AdminConfig {
+            listen: default_admin_listen(),
+        }
+    }
+}
+
+fn default_admin_listen() -> String {
+    "127.0.0.1:8781".to_owned()
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LogConfig {
+    /// A `tracing` filter (`info`, `switchboard=debug,info`). `RUST_LOG`
+    /// overrides it.
+    #[serde(default = "default_log_level")]
+    pub level: String,
+    /// `text` (default) or `json`.
+    #[serde(default)]
+    pub format: LogFormat,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig {
+            level: default_log_level(),
+            format: LogFormat::Text,
+        }
+    }
+}
+
+fn default_log_level() -> String {
+    "info".to_owned()
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+/// One agent runtime.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
+pub enum RuntimeConfig {
+    /// The built-in runtime: owns runs per conversation and calls a model
+    /// backend.
+    Local(LocalRuntimeConfig),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LocalRuntimeConfig {
+    /// The model backend.
+    pub model: ModelConfig,
+    /// How many runs (across all conversations) may execute at once.
+    #[serde(default = "default_max_concurrent_runs")]
+    pub max_concurrent_runs: usize,
+}
+
+fn default_max_concurrent_runs() -> usize {
+    256
+}
+
+/// A model backend of the local runtime.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(tag = "backend", rename_all = "lowercase", deny_unknown_fields)]
+pub enum ModelConfig {
+    /// Deterministic: answers `echo: <text>`. The demo and test backend.
+    Echo(EchoConfig),
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EchoConfig {
+    /// Delay per word of the answer, in milliseconds, so streaming and
+    /// interruption can be seen. 0 answers at once.
+    #[serde(default)]
+    pub token_delay_ms: u64,
+}
+
+/// One channel account.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
+pub enum ChannelConfig {
+    /// The generic HTTP channel.
+    Webhook(WebhookChannelConfig),
+}
+
+impl ChannelConfig {
+    pub fn runtime(&self) -> &str {
+        match self {
+            ChannelConfig::Webhook(c) => &c.runtime,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WebhookChannelConfig {
+    /// Name of the runtime (`[runtimes.NAME]`) this account talks to.
+    pub runtime: String,
+    /// Where replies are POSTed.
+    pub callback_url: String,
+    /// Shared secret required in `X-Switchboard-Secret` (optional).
+    #[serde(default)]
+    pub secret: Option<String>,
+    /// A file holding the shared secret (relative paths are looked up in
+    /// `$CREDENTIALS_DIRECTORY` when set).
+    #[serde(default)]
+    pub secret_file: Option<PathBuf>,
+    /// Seconds one callback POST may take before its outcome is ambiguous.
+    #[serde(default = "default_callback_timeout_secs")]
+    pub callback_timeout_secs: u64,
+}
+
+fn default_callback_timeout_secs() -> u64 {
+    10
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OutboxConfig {
+    /// Sends that may be in flight at once (across all lanes).
+    #[serde(default = "default_outbox_concurrency")]
+    pub concurrency: usize,
+    /// `NotSent` attempts before an item is `failed`.
+    #[serde(default = "default_max_attempts")]
+    pub max_attempts: u32,
+    /// First retry delay after `NotSent`, in milliseconds; doubles per
+    /// attempt with jitter.
+    #[serde(default = "default_backoff_base_ms")]
+    pub backoff_base_ms: u64,
+    /// Largest retry delay, in milliseconds.
+    #[serde(default = "default_backoff_cap_ms")]
+    pub backoff_cap_ms: u64,
+    /// How long a claim (lease) lasts, in seconds. A possibly-dispatched item
+    /// whose lease has run out is reconciled by its surface's
+    /// `on_ambiguous_send`.
+    #[serde(default = "default_lease_secs")]
+    pub lease_secs: u64,
+    /// After an ambiguous send, seconds to wait before reconciling it.
+    #[serde(default = "default_reconcile_after_secs")]
+    pub reconcile_after_secs: u64,
+    /// How often the reconciler looks for expired leases, in seconds.
+    #[serde(default = "default_reconcile_interval_secs")]
+    pub reconcile_interval_secs: u64,
+}
+
+impl Default for OutboxConfig {
+    fn default() -> Self {
+        OutboxConfig {
+            concurrency: default_outbox_concurrency(),
+            max_attempts: default_max_attempts(),
+            backoff_base_ms: default_backoff_base_ms(),
+            backoff_cap_ms: default_backoff_cap_ms(),
+            lease_secs: default_lease_secs(),
+            reconcile_after_secs: default_reconcile_after_secs(),
+            reconcile_interval_secs: default_reconcile_interval_secs(),
+        }
+    }
+}
+
+fn default_outbox_concurrency() -> usize {
+    128
+}
+fn default_max_attempts() -> u32 {
+    8
+}
+fn default_backoff_base_ms() -> u64 {
+    500
+}
+fn default_backoff_cap_ms() -> u64 {
+    5 * 60 * 1000
+}
+fn default_lease_secs() -> u64 {
+    60
+}
+fn default_reconcile_after_secs() -> u64 {
+    30
+}
+fn default_reconcile_interval_secs() -> u64 {
+    5
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SubmitterConfig {
+    /// Journal rows read per round.
+    #[serde(default = "default_submit_batch")]
+    pub batch_size: usize,
+    /// Seconds between retries while the runtime refuses submissions.
+    #[serde(default = "default_submit_retry_secs")]
+    pub retry_secs: u64,
+}
+
+impl Default for SubmitterConfig {
+    fn default() -> Self {
+        SubmitterConfig {
+            batch_size: default_submit_batch(),
+            retry_secs: default_submit_retry_secs(),
+        }
+    }
+}
+
+fn default_submit_batch() -> usize {
+    512
+}
+fn default_submit_retry_secs() -> u64 {
+    2
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShutdownConfig {
+    /// Seconds in-flight runs and sends get to finish after SIGTERM.
+    #[serde(default = "default_grace_secs")]
+    pub grace_secs: u64,
+    /// Seconds to wait after aborting what the grace period did not settle.
+    #[serde(default = "default_force_secs")]
+    pub force_secs: u64,
+}
+
+impl Default for ShutdownConfig {
+    fn default() -> Self {
+        ShutdownConfig {
+            grace_secs: default_grace_secs(),
+            force_secs: default_force_secs(),
+        }
+    }
+}
+
+fn default_grace_secs() -> u64 {
+    30
+}
+fn default_force_secs() -> u64 {
+    5
+}
+
+/// A configuration problem: the key that has it and what to do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigProblem {
+    pub key: String,
+    pub message: String,
+}
+
+impl fmt::Display for ConfigProblem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.key, self.message)
+    }
+}
+
+/// Why a configuration could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("config file {path}: {message}")]
+    Parse { path: String, message: String },
+    #[error("config file {path} has {} problem(s):\n{}", problems.len(), problems.iter().map(|p| format!("  - {p}")).collect::<Vec<_>>().join("\n"))]
+    Invalid {
+        path: String,
+        problems: Vec<ConfigProblem>,
+    },
+}
+
+/// The exit status for bad configuration (`EX_CONFIG` from sysexits.h);
+/// the systemd unit does not restart on it.
+pub const EXIT_CONFIG: i32 = 78;
+
+impl Config {
+    /// Read `path`, apply `SWITCHBOARD__...` environment overrides, and
+    /// validate.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let shown = path.display().to_string();
+        if !path.exists() {
+            return Err(ConfigError::Parse {
+                path: shown,
+                message: "no such file; pass --config PATH (see config/switchboard.toml)".into(),
+            });
+        }
+        let raw = config::Config::builder()
+            .add_source(config::File::from(path).format(config::FileFormat::Toml))
+            .add_source(
+                config::Environment::with_prefix("SWITCHBOARD")
+                    .prefix_separator("__")
+                    .separator("__")
+                    .try_parsing(true),
+            )
+            .build()
+            .map_err(|e| ConfigError::Parse {
+                path: shown.clone(),
+                message: e.to_string(),
+            })?;
+        let config: Config = raw.try_deserialize().map_err(|e| ConfigError::Parse {
+            path: shown.clone(),
+            message: explain_serde(&e.to_string()),
+        })?;
+        let problems = config.validate();
+        if problems.is_empty() {
+            Ok(config)
+        } else {
+            Err(ConfigError::Invalid {
+                path: shown,
+                problems,
+            })
+        }
+    }
+
+    /// Parse a TOML string without environment overrides (tests, examples).
+    pub fn from_toml(text: &str) -> Result<Config, ConfigError> {
+        let raw = config::Config::builder()
+            .add_source(config::File::from_str(text, config::FileFormat::Toml))
+            .build()
+            .map_err(|e| ConfigError::Parse {
+                path: "<string>".into(),
+                message: e.to_string(),
+            })?;
+        let config: Config = raw.try_deserialize().map_err(|e| ConfigError::Parse {
+            path: "<string>".into(),
+            message: explain_serde(&e.to_string()),
+        })?;
+        let problems = config.validate();
+        if problems.is_empty() {
+            Ok(config)
+        } else {
+            Err(ConfigError::Invalid {
+                path: "<string>".into(),
+                problems,
+            })
+        }
+    }
+
+    /// Every cross-reference and value problem, each naming its key.
+    pub fn validate(&self) -> Vec<ConfigProblem> {
+        let mut problems = Vec::new();
+        let mut problem =
+            |key: String, message: String| problems.push(ConfigProblem { key, message });
+
+        if let Err(e) = self.store.location() {
+            problem("store.url".into(), e);
+        }
+        if self.store.batch_size == 0 {
+            problem("store.batch_size".into(), "must be at least 1".into());
+        }
+        if let Err(e) = parse_listen(&self.server.listen) {
+            problem("server.listen".into(), e);
+        }
+        if let Err(e) = parse_listen(&self.admin.listen) {
+            problem("admin.listen".into(), e);
+        }
+        if self.server.body_limit < 1024 {
+            problem(
+                "server.body_limit".into(),
+                "is below 1024 bytes; no useful update fits (the default is 1048576)".into(),
+            );
+        }
+        if self.runtimes.is_empty() {
+            problem(
+                "runtimes".into(),
+                "no runtime is configured; add [runtimes.default] with kind = \"local\" and model = { backend = \"echo\" }".into(),
+            );
+        }
+        for (name, runtime) in &self.runtimes {
+            if !valid_name(name) {
+                problem(
+                    format!("runtimes.{name}"),
+                    "names may use lowercase letters, digits, '-' and '_'".into(),
+                );
+            }
+            match runtime {
+                RuntimeConfig::Local(local) => {
+                    if local.max_concurrent_runs == 0 {
+                        problem(
+                            format!("runtimes.{name}.max_concurrent_runs"),
+                            "must be at least 1".into(),
+                        );
+                    }
+                }
+            }
+        }
+        if self.channels.is_empty() {
+            problem(
+                "channels".into(),
+                "no channel account is configured; add [channels.NAME] with kind = \"webhook\""
+                    .into(),
+            );
+        }
+        for (name, channel) in &self.channels {
+            if !valid_name(name) {
+                problem(
+                    format!("channels.{name}"),
+                    "names may use lowercase letters, digits, '-' and '_' (they appear in URLs and environment variables)".into(),
+                );
+            }
+            if !self.runtimes.contains_key(channel.runtime()) {
+                let known: Vec<&str> = self.runtimes.keys().map(String::as_str).collect();
+                problem(
+                    format!("channels.{name}.runtime"),
+                    format!(
+                        "{:?} names no runtime; add [runtimes.{}] or use one of: {}",
+                        channel.runtime(),
+                        channel.runtime(),
+                        if known.is_empty() {
+                            "(none configured)".to_owned()
+                        } else {
+                            known.join(", ")
+                        }
+                    ),
+                );
+            }
+            match channel {
+                ChannelConfig::Webhook(w) => {
+                    match reqwest::Url::parse(&w.callback_url) {
+                        Ok(url) if url.scheme() == "http" || url.scheme() == "https" => {}
+                        Ok(url) => problem(
+                            format!("channels.{name}.callback_url"),
+                            format!("scheme {:?} is not http or https", url.scheme()),
+                        ),
+                        Err(e) => problem(
+                            format!("channels.{name}.callback_url"),
+                            format!(
+                                "{:?} is not a URL ({e}); use e.g. \"http://127.0.0.1:8090/replies\"",
+                                w.callback_url
+                            ),
+                        ),
+                    }
+                    if w.secret.is_some() && w.secret_file.is_some() {
+                        problem(
+                            format!("channels.{name}.secret"),
+                            "set either secret or secret_file, not both".into(),
+                        );
+                    }
+                    if matches!(&w.secret, Some(s) if s.is_empty()) {
+                        problem(
+                            format!("channels.{name}.secret"),
+                            "is empty; remove it to accept unauthenticated updates, or set a secret".into(),
+                        );
+                    }
+                    if w.callback_timeout_secs == 0 {
+                        problem(
+                            format!("channels.{name}.callback_timeout_secs"),
+                            "must be at least 1".into(),
+                        );
+                    }
+                }
+            }
+        }
+        for (name, settings) in &self.surfaces {
+            if SurfaceKind::parse(name).is_none() {
+                problem(
+                    format!("surfaces.{name}"),
+                    format!(
+                        "is not a surface; use one of: {}",
+                        SurfaceKind::ALL
+                            .iter()
+                            .map(|s| s.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                );
+            }
+            let _ = settings;
+        }
+        if self.outbox.concurrency == 0 {
+            problem("outbox.concurrency".into(), "must be at least 1".into());
+        }
+        if self.outbox.max_attempts == 0 {
+            problem("outbox.max_attempts".into(), "must be at least 1".into());
+        }
+        if self.outbox.lease_secs == 0 {
+            problem("outbox.lease_secs".into(), "must be at least 1".into());
+        }
+        if self.submitter.batch_size == 0 {
+            problem("submitter.batch_size".into(), "must be at least 1".into());
+        }
+        problems
+    }
+
+    /// The settings of a surface: built-in defaults with this file's values
+    /// on top.
+    pub fn surface(&self, kind: SurfaceKind) -> ResolvedSurface {
+        let defaults = kind.defaults();
+        let configured = self.surfaces.get(kind.as_str());
+        ResolvedSurface {
+            input_policy: configured
+                .and_then(|s| s.input_policy)
+                .unwrap_or(defaults.input_policy),
+            delivery: configured
+                .and_then(|s| s.delivery)
+                .unwrap_or(defaults.delivery),
+            on_ambiguous_send: configured
+                .and_then(|s| s.on_ambiguous_send)
+                .unwrap_or(defaults.on_ambiguous_send),
+        }
+    }
+}
+
+/// A surface's effective settings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ResolvedSurface {
+    pub input_policy: InputPolicy,
+    pub delivery: Delivery,
+    pub on_ambiguous_send: OnAmbiguousSend,
+}
+
+/// Where the store lives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreLocation {
+    Sqlite(PathBuf),
+}
+
+impl StoreConfig {
+    pub fn location(&self) -> Result<StoreLocation, String> {
+        if let Some(path) = self.url.strip_prefix("sqlite://") {
+            if path.is_empty() {
+                return Err(
+                    "sqlite:// needs a file path, e.g. \"sqlite://data/switchboard.db\"".into(),
+                );
+            }
+            return Ok(StoreLocation::Sqlite(PathBuf::from(path)));
+        }
+        Err(format!(
+            "{:?} is not a supported store URL; use \"sqlite://PATH\"",
+            self.url
+        ))
+    }
+}
+
+/// Parse a `"host:port"` listen address.
+pub fn parse_listen(value: &str) -> Result<SocketAddr, String> {
+    value.parse::<SocketAddr>().map_err(|_| {
+        format!("{value:?} is not an address; write \"host:port\" with an IP host, e.g. \"127.0.0.1:8780\"")
+    })
+}
+
+fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '_')
+}
+
+/// serde's messages name the field but not always the fix; add the fix for
+/// the commonest one.
+fn explain_serde(message: &str) -> String {
+    if message.contains("unknown field") {
+        format!("{message}; remove the key or check its spelling against config/switchboard.toml")
+    } else if message.contains("missing field") {
+        format!("{message}; add it (every key is documented in config/switchboard.toml)")
+    } else {
+        message.to_owned()
+    }
+}
+
+/// Read a secret from a file; a relative path is looked up in
+/// `$CREDENTIALS_DIRECTORY` (systemd `LoadCredential=`) when that is set.
+pub fn read_secret_file(path: &Path) -> Result<String, String> {
+    let full = match std::env::var_os("CREDENTIALS_DIRECTORY") {
+        Some(dir) if path.is_relative() => Path::new(&dir).join(path),
+        _ => path.to_owned(),
+    };
+    let text = std::fs::read_to_string(&full)
+        .map_err(|e| format!("cannot read {}: {e}", full.display()))?;
+    let secret = text.trim_end_matches(['\n', '\r']).to_owned();
+    if secret.is_empty() {
+        return Err(format!("{} is empty", full.display()));
+    }
+    Ok(secret)
+}
+
+impl WebhookChannelConfig {
+    /// The shared secret, from `secret` or `secret_file`.
+    pub fn resolve_secret(&self) -> Result<Option<String>, String> {
+        match (&self.secret, &self.secret_file) {
+            (Some(s), _) => Ok(Some(s.clone())),
+            (None, Some(path)) => read_secret_file(path).map(Some),
+            (None, None) => Ok(None),
+        }
+    }
+
+    pub fn callback_timeout(&self) -> Duration {
+        Duration::from_secs(self.callback_timeout_secs)
+    }
+}

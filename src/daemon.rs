@@ -1,0 +1,371 @@
+//! Build the parts, run them, and stop them in order with a deadline.
+//!
+//! Start: open the store (migrations applied), build runtimes and channel
+//! adapters, bind the listeners, then report ready; the recovery work
+//! (reconciling orphaned sends, resuming runs, resubmitting pending journal
+//! rows) runs after that, so start-up does not grow with the backlog.
+//!
+//! Stop: ingress first (updates are refused with 503 so platforms redeliver
+//! them later), then the submitter, then the runtimes get their grace period,
+//! then the dispatcher drains its sends in flight; whatever is unconfirmed
+//! stays `possibly_dispatched` for the next start.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use switchboard_channel::{ChannelAdapter, IngressSink, Platform};
+use switchboard_webhook::{IngressAccount, WebhookSender};
+use tokio::net::TcpListener;
+use tokio::sync::Notify;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::clock::{SharedClock, SystemClock};
+use crate::config::{ChannelConfig, Config, RuntimeConfig, parse_listen};
+use crate::ingress::{AccountInfo, Ingress};
+use crate::observe::{Observer, SharedObserver};
+use crate::outbox::dispatcher::Dispatcher;
+use crate::outbox::reconcile::Reconciler;
+use crate::runtime::Runtime;
+use crate::runtime::local::LocalRuntime;
+use crate::store::sqlite::OpenMode;
+use crate::store::{self, SharedStore};
+use crate::submitter::Submitter;
+
+/// A running daemon.
+pub struct Daemon {
+    /// The public listener's bound address (webhook channel).
+    pub ingress_addr: SocketAddr,
+    /// The admin listener's bound address.
+    pub admin_addr: SocketAddr,
+    pub observer: SharedObserver,
+    pub store: SharedStore,
+    config: Arc<Config>,
+    ingress: Arc<Ingress>,
+    runtimes: Vec<Arc<dyn Runtime>>,
+    /// Stops the HTTP listeners.
+    listeners_stop: CancellationToken,
+    listeners: Vec<JoinHandle<()>>,
+    /// Stops the submitter and the reconciler.
+    workers_stop: CancellationToken,
+    submitter: JoinHandle<()>,
+    reconciler: JoinHandle<()>,
+    /// Stops the dispatcher's claiming; `dispatch_deadline` ends its drain.
+    dispatch_stop: CancellationToken,
+    dispatch_deadline: CancellationToken,
+    dispatcher: JoinHandle<usize>,
+}
+
+/// How a shutdown went.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShutdownReport {
+    /// Runs and sends in flight all settled before the deadline.
+    pub settled: bool,
+    /// Runs and sends still in flight when the deadline ran out.
+    pub remaining: usize,
+    pub took: Duration,
+}
+
+impl Daemon {
+    /// Build and start every part. Returns once the listeners are bound and
+    /// recovery work is queued.
+    pub async fn start(config: Config) -> anyhow::Result<Daemon> {
+        Self::start_with_clock(config, Arc::new(SystemClock)).await
+    }
+
+    pub async fn start_with_clock(config: Config, clock: SharedClock) -> anyhow::Result<Daemon> {
+        let config = Arc::new(config);
+        let store = store::open(&config.store, OpenMode::Daemon)
+            .await
+            .context("opening the store")?;
+        let observer: SharedObserver = Arc::new(Observer::new());
+        let submitter_wake = Arc::new(Notify::new());
+        let dispatcher_wake = Arc::new(Notify::new());
+        let owner = lease_owner(clock.now_ms());
+
+        // Runtimes, by name.
+        let mut runtimes: HashMap<String, Arc<dyn Runtime>> = HashMap::new();
+        for (name, runtime) in &config.runtimes {
+            let built: Arc<dyn Runtime> = match runtime {
+                RuntimeConfig::Local(local) => Arc::new(LocalRuntime::new(
+                    name,
+                    local,
+                    store.clone(),
+                    config.store.batch_size,
+                    clock.clone(),
+                    observer.clone(),
+                    dispatcher_wake.clone(),
+                )),
+            };
+            runtimes.insert(name.clone(), built);
+        }
+
+        // Channel accounts: their ingress side and their adapters.
+        let mut accounts = Vec::new();
+        let mut adapters: HashMap<String, Arc<dyn ChannelAdapter>> = HashMap::new();
+        let mut account_runtime = HashMap::new();
+        let mut webhook_accounts = HashMap::new();
+        for (name, channel) in &config.channels {
+            match channel {
+                ChannelConfig::Webhook(w) => {
+                    let identity = switchboard_webhook::identity(name);
+                    let secret = w
+                        .resolve_secret()
+                        .map_err(|e| anyhow::anyhow!("channels.{name}.secret_file: {e}"))?;
+                    let url = reqwest::Url::parse(&w.callback_url)
+                        .with_context(|| format!("channels.{name}.callback_url"))?;
+                    let sender = WebhookSender::new(identity.clone(), url, w.callback_timeout())
+                        .with_context(|| format!("building the HTTP client of channels.{name}"))?;
+                    adapters.insert(identity.clone(), Arc::new(sender));
+                    webhook_accounts.insert(name.clone(), IngressAccount { secret });
+                    account_runtime.insert(identity.clone(), w.runtime.clone());
+                    accounts.push(AccountInfo {
+                        name: name.clone(),
+                        identity,
+                        platform: Platform::Webhook,
+                    });
+                }
+            }
+        }
+
+        let (ingress, _journal_task) = Ingress::start(
+            store.clone(),
+            accounts,
+            config.store.batch_size,
+            clock.clone(),
+            observer.clone(),
+            submitter_wake.clone(),
+        );
+
+        // Listeners.
+        let listeners_stop = CancellationToken::new();
+        let server_addr = parse_listen(&config.server.listen).map_err(anyhow::Error::msg)?;
+        let admin_addr = parse_listen(&config.admin.listen).map_err(anyhow::Error::msg)?;
+        let server_listener = TcpListener::bind(server_addr)
+            .await
+            .with_context(|| format!("binding server.listen {server_addr}"))?;
+        let admin_listener = TcpListener::bind(admin_addr)
+            .await
+            .with_context(|| format!("binding admin.listen {admin_addr}"))?;
+        let ingress_addr = server_listener.local_addr()?;
+        let admin_addr = admin_listener.local_addr()?;
+        let sink: Arc<dyn IngressSink> = ingress.clone();
+        let public = switchboard_webhook::router(webhook_accounts, sink, config.server.body_limit);
+        let admin = crate::admin::router(observer.clone());
+        let listeners = vec![
+            spawn_server("server", server_listener, public, listeners_stop.clone()),
+            spawn_server("admin", admin_listener, admin, listeners_stop.clone()),
+        ];
+
+        // Workers.
+        let capabilities = adapters
+            .iter()
+            .map(|(id, a)| (id.clone(), a.capabilities()))
+            .collect();
+        let dispatcher = Dispatcher::new(
+            store.clone(),
+            adapters,
+            config.outbox.clone(),
+            clock.clone(),
+            observer.clone(),
+            dispatcher_wake.clone(),
+            owner,
+        );
+        let reconciler = Reconciler {
+            store: store.clone(),
+            config: config.clone(),
+            capabilities,
+            clock: clock.clone(),
+            observer: observer.clone(),
+            dispatcher_wake: dispatcher_wake.clone(),
+        };
+        let submitter = Submitter {
+            store: store.clone(),
+            runtimes: runtimes.clone(),
+            account_runtime,
+            config: config.clone(),
+            clock: clock.clone(),
+            observer: observer.clone(),
+            wake: submitter_wake,
+        };
+
+        let workers_stop = CancellationToken::new();
+        let dispatch_stop = CancellationToken::new();
+        let dispatch_deadline = CancellationToken::new();
+        let dispatcher = {
+            let stop = dispatch_stop.clone();
+            let deadline = dispatch_deadline.clone();
+            tokio::spawn(async move { dispatcher.run(stop, deadline.cancelled_owned()).await })
+        };
+
+        // Recovery runs after start returns (after READY): reconcile
+        // orphaned sends, then resume runs, then start submitting.
+        let recovery_store = store.clone();
+        let recovery_clock = clock.clone();
+        let runtime_list: Vec<Arc<dyn Runtime>> = runtimes.values().cloned().collect();
+        let reconcile_interval = Duration::from_secs(config.outbox.reconcile_interval_secs);
+        let reconciler = {
+            let stop = workers_stop.clone();
+            tokio::spawn(async move {
+                if recovery_store.single_process() {
+                    match recovery_store
+                        .outbox_expire_all_leases(recovery_clock.now_ms())
+                        .await
+                    {
+                        Ok(0) => {}
+                        Ok(n) => tracing::info!(
+                            items = n,
+                            "found sends a previous process left unconfirmed; reconciling"
+                        ),
+                        Err(e) => tracing::warn!(error = %e, "could not release orphaned leases"),
+                    }
+                }
+                reconciler.run(reconcile_interval, stop).await
+            })
+        };
+        let submitter = {
+            let stop = workers_stop.clone();
+            let runtimes = runtime_list.clone();
+            tokio::spawn(async move {
+                for runtime in &runtimes {
+                    match runtime.recover().await {
+                        Ok(0) => {}
+                        Ok(n) => tracing::info!(
+                            runtime = runtime.name(),
+                            runs = n,
+                            "resumed runs a previous process left"
+                        ),
+                        Err(e) => {
+                            tracing::error!(runtime = runtime.name(), error = %e, "could not resume runs")
+                        }
+                    }
+                }
+                submitter.run(stop).await
+            })
+        };
+
+        tracing::info!(
+            store = %store.describe(),
+            server = %ingress_addr,
+            admin = %admin_addr,
+            channels = config.channels.len(),
+            runtimes = config.runtimes.len(),
+            "switchboard is ready"
+        );
+        Ok(Daemon {
+            ingress_addr,
+            admin_addr,
+            observer,
+            store,
+            config,
+            ingress,
+            runtimes: runtime_list,
+            listeners_stop,
+            listeners,
+            workers_stop,
+            submitter,
+            reconciler,
+            dispatch_stop,
+            dispatch_deadline,
+            dispatcher,
+        })
+    }
+
+    /// Stop in order within the configured grace and force timeouts.
+    pub async fn shutdown(self) -> ShutdownReport {
+        let started = Instant::now();
+        let grace = Duration::from_secs(self.config.shutdown.grace_secs);
+        let force = Duration::from_secs(self.config.shutdown.force_secs);
+        tracing::info!(
+            grace_s = grace.as_secs(),
+            force_s = force.as_secs(),
+            "stopping: ingress first"
+        );
+        // The listeners stay up until the end and answer 503, so platforms
+        // see "try again later" rather than a refused connection.
+        self.ingress.stop_accepting();
+        self.workers_stop.cancel();
+        let _ = self.submitter.await;
+        let _ = self.reconciler.await;
+
+        // Runtimes and the dispatcher share the deadline: runs in flight may
+        // still produce reply items during the grace period, and the
+        // dispatcher keeps claiming until the runtimes are done.
+        let closes = self
+            .runtimes
+            .iter()
+            .map(|r| r.close(grace, force))
+            .collect::<Vec<_>>();
+        let reports = futures::future::join_all(closes).await;
+        let runs_left: usize = reports.iter().map(|r| r.remaining).sum();
+        let runs_settled = reports.iter().all(|r| r.settled);
+        self.dispatch_stop.cancel();
+        let deadline = self.dispatch_deadline.clone();
+        let left = (grace + force).saturating_sub(started.elapsed());
+        let timer = tokio::spawn(async move {
+            tokio::time::sleep(left).await;
+            deadline.cancel();
+        });
+        let sends_left = self.dispatcher.await.unwrap_or(0);
+        timer.abort();
+        self.listeners_stop.cancel();
+        for listener in self.listeners {
+            let _ = tokio::time::timeout(Duration::from_secs(1), listener).await;
+        }
+        self.store.close().await;
+        let report = ShutdownReport {
+            settled: runs_settled && sends_left == 0,
+            remaining: runs_left + sends_left,
+            took: started.elapsed(),
+        };
+        if report.settled {
+            tracing::info!(took_ms = report.took.as_millis() as u64, "shutdown settled");
+        } else {
+            tracing::warn!(
+                took_ms = report.took.as_millis() as u64,
+                remaining = report.remaining,
+                "shutdown timed out; unfinished work is recovered at the next start"
+            );
+        }
+        report
+    }
+}
+
+/// Run until `shutdown` resolves, then stop in order.
+pub async fn run(
+    config: Config,
+    shutdown: impl Future<Output = ()>,
+) -> anyhow::Result<ShutdownReport> {
+    let daemon = Daemon::start(config).await?;
+    shutdown.await;
+    Ok(daemon.shutdown().await)
+}
+
+fn spawn_server(
+    name: &'static str,
+    listener: TcpListener,
+    router: axum::Router,
+    stop: CancellationToken,
+) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let served = axum::serve(listener, router)
+            .with_graceful_shutdown(async move { stop.cancelled().await })
+            .await;
+        if let Err(e) = served {
+            tracing::error!(listener = name, error = %e, "listener stopped");
+        }
+    })
+}
+
+/// A name for this process in leases: host, pid and start time, so a
+/// restarted process never mistakes an old lease for its own.
+fn lease_owner(now_ms: i64) -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_owned())
+        .unwrap_or_else(|_| "host".to_owned());
+    format!("{host}:{}:{now_ms}", std::process::id())
+}

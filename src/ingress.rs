@@ -1,0 +1,191 @@
+//! Ingress: envelopes from the adapters become journal rows.
+//!
+//! [`Ingress`] is the core's [`IngressSink`]. It resolves the account's store
+//! identity and the surface, and writes the row through the journal's
+//! group-commit writer; it returns only after the commit, which is what lets
+//! an adapter acknowledge the update to its platform (DESIGN.md promise 1).
+//! Deciding what to do with the row is the submitter's job, not this one's.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use async_trait::async_trait;
+use switchboard_channel::{
+    AcceptStatus, Accepted, Content, Envelope, IngressError, IngressSink, Platform,
+};
+use tokio::sync::Notify;
+
+use crate::clock::SharedClock;
+use crate::keys;
+use crate::observe::SharedObserver;
+use crate::store::batch::{BatchError, Batcher};
+use crate::store::{Disposition, JournalOutcome, NewInbound, SharedStore};
+use crate::surface::SurfaceKind;
+
+/// A channel account as ingress knows it.
+#[derive(Debug, Clone)]
+pub struct AccountInfo {
+    /// The configured name (`[channels.NAME]`).
+    pub name: String,
+    /// The store identity (`webhook:NAME`, `telegram:<bot id>`).
+    pub identity: String,
+    pub platform: Platform,
+}
+
+/// The core's ingress sink.
+pub struct Ingress {
+    accounts: HashMap<String, AccountInfo>,
+    journal: Batcher<NewInbound, JournalOutcome>,
+    accepting: AtomicBool,
+    clock: SharedClock,
+    observer: SharedObserver,
+    submitter_wake: Arc<Notify>,
+}
+
+impl Ingress {
+    /// Start the journal's group-commit writer and return the sink with the
+    /// writer's task.
+    pub fn start(
+        store: SharedStore,
+        accounts: Vec<AccountInfo>,
+        batch_size: usize,
+        clock: SharedClock,
+        observer: SharedObserver,
+        submitter_wake: Arc<Notify>,
+    ) -> (Arc<Ingress>, tokio::task::JoinHandle<()>) {
+        let (journal, task) =
+            Batcher::spawn("journal", batch_size, move |batch: Vec<NewInbound>| {
+                let store = store.clone();
+                async move { store.journal_insert(&batch).await }
+            });
+        let ingress = Arc::new(Ingress {
+            accounts: accounts.into_iter().map(|a| (a.name.clone(), a)).collect(),
+            journal,
+            accepting: AtomicBool::new(true),
+            clock,
+            observer,
+            submitter_wake,
+        });
+        (ingress, task)
+    }
+
+    /// From now on every update is refused as unavailable (shutdown's first
+    /// step: the platform keeps the update and redelivers it later).
+    pub fn stop_accepting(&self) {
+        self.accepting.store(false, Ordering::SeqCst);
+    }
+
+    fn to_row(
+        &self,
+        account: &AccountInfo,
+        envelope: Envelope,
+    ) -> Result<NewInbound, IngressError> {
+        let (disposition, reason) = match &envelope.content {
+            Content::Message { .. } => (Disposition::Pending, None),
+            Content::Unsupported { kind, reason } => (
+                Disposition::Ignored,
+                Some(format!("unsupported update kind {kind:?}: {reason}")),
+            ),
+        };
+        let payload = serde_json::to_string(&envelope.content)
+            .map_err(|e| IngressError::Invalid(format!("content cannot be stored: {e}")))?;
+        let (sender_id, sender_name) = match envelope.sender {
+            Some(s) => (Some(s.id), s.name),
+            None => (None, None),
+        };
+        Ok(NewInbound {
+            submission_key: keys::submission_key(&account.identity, &envelope.update_key),
+            account: account.identity.clone(),
+            update_key: envelope.update_key,
+            chat_id: envelope.chat_id,
+            chat_kind: envelope.chat_kind,
+            thread_id: envelope.thread_id,
+            surface: SurfaceKind::of(account.platform, envelope.chat_kind),
+            sender_id,
+            sender_name,
+            message_id: envelope.message_id,
+            payload,
+            disposition,
+            reason,
+            received_at: self.clock.now_ms(),
+        })
+    }
+}
+
+#[async_trait]
+impl IngressSink for Ingress {
+    async fn accept(&self, envelope: Envelope) -> Result<Accepted, IngressError> {
+        if !self.accepting.load(Ordering::SeqCst) {
+            return Err(IngressError::Unavailable(
+                "switchboard is shutting down".into(),
+            ));
+        }
+        let account = self
+            .accounts
+            .get(&envelope.account)
+            .ok_or_else(|| IngressError::UnknownAccount(envelope.account.clone()))?;
+        let row = self.to_row(account, envelope)?;
+        let update_key = row.update_key.clone();
+        let ignored = row
+            .reason
+            .clone()
+            .filter(|_| row.disposition == Disposition::Ignored);
+        let outcome = self
+            .journal
+            .call(row, "journal")
+            .await
+            .map_err(|e| match e {
+                BatchError::Closed(_) => {
+                    IngressError::Unavailable("switchboard is shutting down".into())
+                }
+                BatchError::Store(e) => IngressError::Store(e.to_string()),
+            })?;
+        Ok(match outcome {
+            JournalOutcome::Accepted {
+                inbound_id,
+                conversation_id,
+            } => {
+                self.observer
+                    .stored(&account.identity, &update_key, inbound_id, conversation_id);
+                match ignored {
+                    Some(reason) => {
+                        tracing::info!(inbound_id, account = %account.name, %reason, "update ignored");
+                        self.observer
+                            .settled(inbound_id, Disposition::Ignored.as_str(), &reason);
+                    }
+                    None => self.submitter_wake.notify_one(),
+                }
+                Accepted {
+                    status: AcceptStatus::Accepted,
+                    inbound_id,
+                    conversation_id,
+                }
+            }
+            JournalOutcome::Duplicate {
+                inbound_id,
+                conversation_id,
+            } => {
+                self.observer
+                    .deduplicated(&account.identity, &update_key, inbound_id);
+                Accepted {
+                    status: AcceptStatus::Duplicate,
+                    inbound_id,
+                    conversation_id,
+                }
+            }
+        })
+    }
+
+    fn record_rejection(&self, account: &str, code: &str, detail: &str) {
+        tracing::warn!(account, code, detail, "request refused");
+        // The account name comes from the request path: only configured
+        // names become metric labels, so junk requests cannot grow memory.
+        let label = if self.accounts.contains_key(account) {
+            account
+        } else {
+            "(unknown)"
+        };
+        self.observer.rejected(label, code);
+    }
+}

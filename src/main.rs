@@ -1,0 +1,303 @@
+//! The `switchboard` command: parse the command line, load config, set up
+//! logging, call the library. Nothing else lives here.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use futures::StreamExt;
+use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+use switchboard::config::{Config, ConfigError, EXIT_CONFIG, LogFormat};
+use switchboard::store::sqlite::OpenMode;
+use switchboard::store::{self, DispatchState, Disposition};
+
+#[derive(Parser)]
+#[command(
+    name = "switchboard",
+    version,
+    about = "A channel-bridge daemon: chat platforms in, an agent runtime in the middle, a durable outbox out."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(clap::Args)]
+struct ConfigArg {
+    /// The config file.
+    #[arg(
+        long,
+        short,
+        env = "SWITCHBOARD_CONFIG",
+        default_value = "config/switchboard.toml"
+    )]
+    config: PathBuf,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the daemon until SIGTERM or SIGINT.
+    Run(ConfigArg),
+    /// Validate a config file offline; exit 78 when it is bad.
+    Check(ConfigArg),
+    /// Create the store and apply migrations, then exit.
+    Migrate(ConfigArg),
+    /// Run the whole loop in-process on a temporary store and show each step.
+    Demo,
+    /// The inbound journal.
+    Inbound {
+        #[command(subcommand)]
+        command: InboundCommand,
+    },
+    /// The outbox.
+    Outbox {
+        #[command(subcommand)]
+        command: OutboxCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum InboundCommand {
+    /// Journal rows, newest first.
+    List {
+        #[command(flatten)]
+        config: ConfigArg,
+        /// Only rows with this disposition (pending, admitted, ignored, rejected, refused, failed, cancelled, absorbed).
+        #[arg(long)]
+        disposition: Option<String>,
+        #[arg(long, default_value_t = 50)]
+        limit: usize,
+    },
+}
+
+#[derive(Subcommand)]
+enum OutboxCommand {
+    /// Reply items, newest first.
+    List {
+        #[command(flatten)]
+        config: ConfigArg,
+        /// Only items in this dispatch state (not_dispatched, possibly_dispatched, acknowledged, failed, held, dropped).
+        #[arg(long)]
+        state: Option<String>,
+        /// Only items of this conversation.
+        #[arg(long)]
+        conversation: Option<i64>,
+        #[arg(long, default_value_t = 50)]
+        limit: usize,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("switchboard: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(dispatch(cli.command))
+}
+
+async fn dispatch(command: Command) -> ExitCode {
+    match command {
+        Command::Run(args) => {
+            let config = match load(&args) {
+                Ok(c) => c,
+                Err(code) => return code,
+            };
+            init_logging(&config.log.level, config.log.format);
+            match switchboard::daemon::run(config, shutdown_signal()).await {
+                Ok(_) => ExitCode::SUCCESS,
+                Err(e) => {
+                    tracing::error!(error = format!("{e:#}"), "switchboard stopped");
+                    eprintln!("switchboard: {e:#}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Command::Check(args) => match load(&args) {
+            Ok(config) => {
+                for (name, channel) in &config.channels {
+                    let switchboard::config::ChannelConfig::Webhook(w) = channel;
+                    if let Err(e) = w.resolve_secret() {
+                        println!(
+                            "warning: channels.{name}.secret_file: {e} (the daemon will refuse to start)"
+                        );
+                    }
+                }
+                println!(
+                    "{}: ok ({} channel account(s), {} runtime(s))",
+                    args.config.display(),
+                    config.channels.len(),
+                    config.runtimes.len()
+                );
+                ExitCode::SUCCESS
+            }
+            Err(code) => code,
+        },
+        Command::Migrate(args) => {
+            let config = match load(&args) {
+                Ok(c) => c,
+                Err(code) => return code,
+            };
+            match store::open(&config.store, OpenMode::Tool).await {
+                Ok(store) => {
+                    println!("{}: migrations applied", store.describe());
+                    store.close().await;
+                    ExitCode::SUCCESS
+                }
+                Err(e) => fail(e),
+            }
+        }
+        Command::Demo => {
+            init_logging("warn", LogFormat::Text);
+            match switchboard::demo::run().await {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("demo failed: {e:#}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Command::Inbound {
+            command:
+                InboundCommand::List {
+                    config,
+                    disposition,
+                    limit,
+                },
+        } => {
+            let disposition = match disposition.as_deref().map(|d| (d, Disposition::parse(d))) {
+                None => None,
+                Some((_, Some(d))) => Some(d),
+                Some((d, None)) => {
+                    eprintln!(
+                        "switchboard: unknown disposition {d:?}; use one of: {}",
+                        Disposition::ALL
+                            .iter()
+                            .map(|d| d.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    );
+                    return ExitCode::from(2);
+                }
+            };
+            let config = match load(&config) {
+                Ok(c) => c,
+                Err(code) => return code,
+            };
+            match store::open(&config.store, OpenMode::Tool).await {
+                Ok(store) => match switchboard::cli::inbound_list(&store, disposition, limit).await
+                {
+                    Ok(text) => {
+                        print!("{text}");
+                        ExitCode::SUCCESS
+                    }
+                    Err(e) => fail(e),
+                },
+                Err(e) => fail(e),
+            }
+        }
+        Command::Outbox {
+            command:
+                OutboxCommand::List {
+                    config,
+                    state,
+                    conversation,
+                    limit,
+                },
+        } => {
+            let state = match state.as_deref().map(|s| (s, DispatchState::parse(s))) {
+                None => None,
+                Some((_, Some(s))) => Some(s),
+                Some((s, None)) => {
+                    eprintln!(
+                        "switchboard: unknown dispatch state {s:?}; use one of: {}",
+                        DispatchState::ALL
+                            .iter()
+                            .map(|s| s.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    );
+                    return ExitCode::from(2);
+                }
+            };
+            let config = match load(&config) {
+                Ok(c) => c,
+                Err(code) => return code,
+            };
+            match store::open(&config.store, OpenMode::Tool).await {
+                Ok(store) => {
+                    match switchboard::cli::outbox_list(&store, state, conversation, limit).await {
+                        Ok(text) => {
+                            print!("{text}");
+                            ExitCode::SUCCESS
+                        }
+                        Err(e) => fail(e),
+                    }
+                }
+                Err(e) => fail(e),
+            }
+        }
+    }
+}
+
+fn load(args: &ConfigArg) -> Result<Config, ExitCode> {
+    Config::load(&args.config).map_err(|e: ConfigError| {
+        eprintln!("switchboard: {e}");
+        ExitCode::from(EXIT_CONFIG as u8)
+    })
+}
+
+fn fail(e: impl std::fmt::Display) -> ExitCode {
+    eprintln!("switchboard: {e}");
+    ExitCode::FAILURE
+}
+
+fn init_logging(level: &str, format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .or_else(|_| tracing_subscriber::EnvFilter::try_new(level))
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+/// Resolves on the first SIGTERM or SIGINT. A second one exits at once.
+async fn shutdown_signal() {
+    let mut signals = match signal_hook_tokio::Signals::new([SIGTERM, SIGINT, SIGHUP]) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot listen for signals; stop with SIGKILL");
+            std::future::pending::<()>().await;
+            return;
+        }
+    };
+    while let Some(signal) = signals.next().await {
+        match signal {
+            SIGHUP => tracing::info!(
+                "SIGHUP: configuration reload is not supported yet; restart to apply changes"
+            ),
+            _ => {
+                tracing::info!(signal, "stop requested");
+                tokio::spawn(async move {
+                    while let Some(signal) = signals.next().await {
+                        if signal != SIGHUP {
+                            tracing::warn!(signal, "second stop request: exiting now");
+                            std::process::exit(1);
+                        }
+                    }
+                });
+                return;
+            }
+        }
+    }
+}

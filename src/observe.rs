@@ -1,0 +1,287 @@
+//! What the daemon tells the outside about itself: Prometheus counters for
+//! `/metrics`, and a stream of lifecycle events (stored, admitted, answered,
+//! delivered, ...) that the demo prints and tests can watch.
+//!
+//! Every part reports through one [`Observer`], so a counter and its event
+//! can never disagree.
+
+use std::sync::Arc;
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
+use tokio::sync::broadcast;
+
+type Labels = Vec<(&'static str, String)>;
+
+/// A step in the life of an update or a reply.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    /// A new journal row was committed.
+    Stored {
+        account: String,
+        update_key: String,
+        inbound_id: i64,
+        conversation_id: i64,
+    },
+    /// An update's key was already journaled.
+    Deduplicated {
+        account: String,
+        update_key: String,
+        inbound_id: i64,
+    },
+    /// A journal row was settled without a run (ignored, rejected, ...).
+    Settled {
+        inbound_id: i64,
+        disposition: &'static str,
+        reason: String,
+    },
+    /// A runtime admitted a journal row.
+    Admitted {
+        inbound_id: i64,
+        run_id: String,
+        new_run: bool,
+    },
+    /// A run finished and its reply items were written.
+    Answered {
+        run_id: String,
+        state: &'static str,
+        conversation_id: i64,
+    },
+    /// An outbox item was acknowledged by its platform.
+    Delivered {
+        item_key: String,
+        conversation_id: i64,
+        ordinal: i64,
+    },
+    /// A send did not produce a receipt.
+    SendFailed {
+        item_key: String,
+        kind: &'static str,
+        detail: String,
+    },
+    /// Reconciliation resolved a possibly-dispatched item.
+    Reconciled {
+        item_key: String,
+        action: &'static str,
+    },
+}
+
+/// Counters and the event stream.
+pub struct Observer {
+    registry: Registry,
+    updates_received: Family<Labels, Counter>,
+    updates_deduplicated: Family<Labels, Counter>,
+    ingress_rejected: Family<Labels, Counter>,
+    dispositions: Family<Labels, Counter>,
+    submissions: Family<Labels, Counter>,
+    runs_finished: Family<Labels, Counter>,
+    sends: Family<Labels, Counter>,
+    reconciliations: Family<Labels, Counter>,
+    events: broadcast::Sender<Event>,
+}
+
+impl Default for Observer {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Observer {
+    pub fn new() -> Self {
+        let mut registry = Registry::default();
+        let mut family = |name: &str, help: &str| {
+            let f = Family::<Labels, Counter>::default();
+            registry.register(name, help, f.clone());
+            f
+        };
+        let updates_received = family(
+            "switchboard_updates_received",
+            "Updates journaled for the first time, by channel account",
+        );
+        let updates_deduplicated = family(
+            "switchboard_updates_deduplicated",
+            "Updates whose key was already journaled, by channel account",
+        );
+        let ingress_rejected = family(
+            "switchboard_ingress_rejected",
+            "Requests refused before they became an update (malformed, oversize, bad secret), by channel account and reason",
+        );
+        let dispositions = family(
+            "switchboard_updates_settled",
+            "Journal rows settled, by disposition",
+        );
+        let submissions = family(
+            "switchboard_submissions",
+            "Submissions to a runtime, by runtime and outcome",
+        );
+        let runs_finished = family(
+            "switchboard_runs_finished",
+            "Runs of the built-in runtime that reached a terminal state, by state",
+        );
+        let sends = family(
+            "switchboard_outbox_sends",
+            "Outbox send attempts, by channel account and outcome",
+        );
+        let reconciliations = family(
+            "switchboard_outbox_reconciliations",
+            "Possibly-dispatched items resolved by reconciliation, by action",
+        );
+        let (events, _) = broadcast::channel(4096);
+        Observer {
+            registry,
+            updates_received,
+            updates_deduplicated,
+            ingress_rejected,
+            dispositions,
+            submissions,
+            runs_finished,
+            sends,
+            reconciliations,
+            events,
+        }
+    }
+
+    /// A receiver of every event from now on. A slow receiver misses events
+    /// (it is told how many), it never slows the daemon down.
+    pub fn subscribe(&self) -> broadcast::Receiver<Event> {
+        self.events.subscribe()
+    }
+
+    fn emit(&self, event: Event) {
+        // No receivers is the normal case outside the demo and tests.
+        let _ = self.events.send(event);
+    }
+
+    /// The counters in the Prometheus text format.
+    pub fn encode_metrics(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = encode(&mut out, &self.registry);
+        out
+    }
+
+    pub fn stored(&self, account: &str, update_key: &str, inbound_id: i64, conversation_id: i64) {
+        self.updates_received
+            .get_or_create(&vec![("account", account.to_owned())])
+            .inc();
+        self.emit(Event::Stored {
+            account: account.to_owned(),
+            update_key: update_key.to_owned(),
+            inbound_id,
+            conversation_id,
+        });
+    }
+
+    pub fn deduplicated(&self, account: &str, update_key: &str, inbound_id: i64) {
+        self.updates_deduplicated
+            .get_or_create(&vec![("account", account.to_owned())])
+            .inc();
+        self.emit(Event::Deduplicated {
+            account: account.to_owned(),
+            update_key: update_key.to_owned(),
+            inbound_id,
+        });
+    }
+
+    pub fn rejected(&self, account: &str, code: &str) {
+        self.ingress_rejected
+            .get_or_create(&vec![
+                ("account", account.to_owned()),
+                ("reason", code.to_owned()),
+            ])
+            .inc();
+    }
+
+    pub fn settled(&self, inbound_id: i64, disposition: &'static str, reason: &str) {
+        self.dispositions
+            .get_or_create(&vec![("disposition", disposition.to_owned())])
+            .inc();
+        self.emit(Event::Settled {
+            inbound_id,
+            disposition,
+            reason: reason.to_owned(),
+        });
+    }
+
+    pub fn admitted(&self, runtime: &str, inbound_id: i64, run_id: &str, new_run: bool) {
+        self.submissions
+            .get_or_create(&vec![
+                ("runtime", runtime.to_owned()),
+                (
+                    "outcome",
+                    if new_run { "admitted" } else { "duplicate" }.to_owned(),
+                ),
+            ])
+            .inc();
+        self.dispositions
+            .get_or_create(&vec![("disposition", "admitted".to_owned())])
+            .inc();
+        self.emit(Event::Admitted {
+            inbound_id,
+            run_id: run_id.to_owned(),
+            new_run,
+        });
+    }
+
+    pub fn submission_failed(&self, runtime: &str, outcome: &'static str) {
+        self.submissions
+            .get_or_create(&vec![
+                ("runtime", runtime.to_owned()),
+                ("outcome", outcome.to_owned()),
+            ])
+            .inc();
+    }
+
+    pub fn run_finished(&self, run_id: &str, state: &'static str, conversation_id: i64) {
+        self.runs_finished
+            .get_or_create(&vec![("state", state.to_owned())])
+            .inc();
+        self.emit(Event::Answered {
+            run_id: run_id.to_owned(),
+            state,
+            conversation_id,
+        });
+    }
+
+    pub fn delivered(&self, account: &str, item_key: &str, conversation_id: i64, ordinal: i64) {
+        self.sends
+            .get_or_create(&vec![
+                ("account", account.to_owned()),
+                ("outcome", "acknowledged".to_owned()),
+            ])
+            .inc();
+        self.emit(Event::Delivered {
+            item_key: item_key.to_owned(),
+            conversation_id,
+            ordinal,
+        });
+    }
+
+    pub fn send_failed(&self, account: &str, item_key: &str, kind: &'static str, detail: &str) {
+        self.sends
+            .get_or_create(&vec![
+                ("account", account.to_owned()),
+                ("outcome", kind.to_owned()),
+            ])
+            .inc();
+        self.emit(Event::SendFailed {
+            item_key: item_key.to_owned(),
+            kind,
+            detail: detail.to_owned(),
+        });
+    }
+
+    pub fn reconciled(&self, item_key: &str, action: &'static str) {
+        self.reconciliations
+            .get_or_create(&vec![("action", action.to_owned())])
+            .inc();
+        self.emit(Event::Reconciled {
+            item_key: item_key.to_owned(),
+            action,
+        });
+    }
+}
+
+pub type SharedObserver = Arc<Observer>;

@@ -1,0 +1,101 @@
+//! The agent runtime behind one trait.
+//!
+//! The submitter hands a runtime journal rows as [`Submission`]s, each with an
+//! idempotency key derived from its inbound key; the runtime answers with the
+//! run that owns it. Queuing, interrupting and injecting are the runtime's
+//! job (DESIGN.md §2). How answers come back is the runtime's business too:
+//! the built-in runtime writes a run's terminal record and its reply items in
+//! one store transaction; a remote runtime's connector writes reply items
+//! keyed by durable event ids.
+
+pub mod local;
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+use switchboard_channel::AttachmentRef;
+
+use crate::surface::{InputPolicy, SurfaceKind};
+
+/// What the user said, as the runtime sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Input {
+    pub text: String,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub attachments: Vec<AttachmentRef>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sender_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sender_name: Option<String>,
+}
+
+/// One input for a runtime, with its identity and context.
+#[derive(Debug, Clone)]
+pub struct Submission {
+    /// Same key on every retry and after restart (DESIGN.md §3).
+    pub idempotency_key: String,
+    pub conversation_id: i64,
+    /// The journal row this came from (`None` for scheduled prompts).
+    pub inbound_id: Option<i64>,
+    /// The channel account's store identity.
+    pub account: String,
+    pub chat_id: String,
+    pub thread_id: Option<String>,
+    pub surface: SurfaceKind,
+    /// The platform message to reference in replies.
+    pub reply_to: Option<String>,
+    pub input: Input,
+    pub policy: InputPolicy,
+}
+
+/// The runtime's answer to a submission: the run that owns it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Admission {
+    pub run_id: String,
+    /// `false` when the idempotency key was seen before (the same run).
+    pub new: bool,
+}
+
+/// Why a submission was not admitted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SubmitError {
+    /// Not now (runtime unreachable, store busy, shutting down): the journal
+    /// row stays pending and is submitted again later with the same key.
+    #[error("runtime unavailable: {0}")]
+    Unavailable(String),
+    /// Never: the runtime refused this input for good.
+    #[error("refused by the runtime: {0}")]
+    Rejected(String),
+}
+
+/// How a runtime's close went.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CloseReport {
+    /// Every run in flight reached a terminal state or was handed back for
+    /// recovery within the deadlines.
+    pub settled: bool,
+    /// Runs still in flight when the force timeout ran out.
+    pub remaining: usize,
+}
+
+/// An agent runtime.
+#[async_trait]
+pub trait Runtime: Send + Sync {
+    /// The configured name (`[runtimes.NAME]`).
+    fn name(&self) -> &str;
+
+    /// Admit a batch of submissions; one result per submission, in order.
+    /// A submission is only attempted when every earlier submission of the
+    /// same conversation in the batch was admitted, so journal order holds.
+    async fn submit(&self, batch: Vec<Submission>) -> Vec<Result<Admission, SubmitError>>;
+
+    /// Pick up the work a previous process left (queued and running runs).
+    /// Called once after start, before the submitter's first round. Returns
+    /// how many runs were resumed.
+    async fn recover(&self) -> Result<usize, String>;
+
+    /// Stop: no new runs, `grace` for the ones in flight, then abort with
+    /// reason `shutdown` and wait at most `force`.
+    async fn close(&self, grace: Duration, force: Duration) -> CloseReport;
+}

@@ -1,0 +1,161 @@
+//! All durable state, behind interfaces split by module (journal, runs,
+//! outbox). One backend-neutral contract, implemented for SQLite (the
+//! embedded default) and shaped so a PostgreSQL implementation can follow
+//! without changing callers; `tests/store_conformance.rs` is the suite every
+//! backend must pass.
+//!
+//! Conventions every implementation keeps:
+//! - times are milliseconds since the Unix epoch, passed in by the caller
+//!   (so tests control the clock);
+//! - every hot-path read goes through an index and reads a bounded number of
+//!   rows (DESIGN.md promise 10);
+//! - batch methods write all their items in one transaction (group commit)
+//!   and report one outcome per item, in input order;
+//! - every outbox state write after a claim is fenced by the item's fencing
+//!   token: a write with a stale token changes nothing and reports `false`.
+
+pub mod batch;
+pub mod sqlite;
+mod types;
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+
+use crate::config::{StoreConfig, StoreLocation};
+pub use types::*;
+
+/// A store failure. Callers treat every variant as "nothing was written".
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("store: {0}")]
+    Database(#[from] sqlx::Error),
+    #[error("store migration: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+    #[error("store: {0}")]
+    Other(String),
+}
+
+pub type StoreResult<T> = Result<T, StoreError>;
+
+/// The inbound journal and the conversation map.
+#[async_trait]
+pub trait JournalStore: Send + Sync {
+    /// Journal a batch of updates in one transaction. A key already present
+    /// (also earlier in the same batch) is a duplicate and changes nothing.
+    /// The conversation is resolved (or created) in the same transaction.
+    async fn journal_insert(&self, batch: &[NewInbound]) -> StoreResult<Vec<JournalOutcome>>;
+
+    /// Rows not yet handed to a runtime, oldest first.
+    async fn journal_pending(&self, limit: usize) -> StoreResult<Vec<InboundRow>>;
+
+    /// Record admissions (run ids) in one transaction. Only rows still
+    /// `pending` change.
+    async fn journal_admit(&self, admissions: &[Admitted], now: i64) -> StoreResult<()>;
+
+    /// Record a final disposition other than admission (ignored, rejected,
+    /// failed, ...), with its reason. Only rows still `pending` change.
+    async fn journal_settle(
+        &self,
+        inbound_id: i64,
+        disposition: Disposition,
+        reason: &str,
+        now: i64,
+    ) -> StoreResult<bool>;
+
+    async fn journal_get(&self, inbound_id: i64) -> StoreResult<Option<InboundRow>>;
+
+    /// Newest first, at most `limit`, optionally one disposition only.
+    async fn journal_list(
+        &self,
+        disposition: Option<Disposition>,
+        limit: usize,
+    ) -> StoreResult<Vec<InboundRow>>;
+
+    /// Counts per disposition (for `inbound list` summaries and metrics).
+    async fn journal_counts(&self) -> StoreResult<Vec<(Disposition, i64)>>;
+}
+
+/// Durable runs of the built-in runtime.
+#[async_trait]
+pub trait RunStore: Send + Sync {
+    /// Admit a batch of runs in one transaction; an idempotency key already
+    /// present returns the existing run (`new == false`).
+    async fn runs_admit(&self, batch: &[NewRun]) -> StoreResult<Vec<RunAdmission>>;
+
+    /// Mark queued runs running. Runs in any other state are left alone.
+    async fn runs_start(&self, run_ids: &[i64], now: i64) -> StoreResult<()>;
+
+    /// Write terminal records and their reply items, each completion in the
+    /// batch atomically (one transaction for the whole batch). A completion
+    /// of a run that is already terminal changes nothing and reports `false`.
+    async fn runs_finish(&self, batch: &[RunFinish]) -> StoreResult<Vec<bool>>;
+
+    /// Runs not yet terminal with an id above `after_id`, in id order (a
+    /// page of the recovery scan).
+    async fn runs_unfinished(&self, after_id: i64, limit: usize) -> StoreResult<Vec<RunRow>>;
+
+    async fn run_get(&self, run_id: i64) -> StoreResult<Option<RunRow>>;
+}
+
+/// The outbox: reply items and their dispatch states (DESIGN.md §4).
+#[async_trait]
+pub trait OutboxStore: Send + Sync {
+    /// Add items (each gets the next ordinal of its conversation). An item
+    /// key already present changes nothing.
+    async fn outbox_enqueue(&self, items: &[NewOutboxItem]) -> StoreResult<Vec<bool>>;
+
+    /// Claim due lane heads: each becomes `possibly_dispatched` with a new
+    /// fencing token and a lease, in one transaction. At most one item per
+    /// conversation is ever claimable at a time.
+    async fn outbox_claim(&self, claim: &Claim) -> StoreResult<Vec<OutboxItem>>;
+
+    /// Apply dispatch outcomes, fenced, in one transaction. One `bool` per
+    /// settlement: `false` when its fencing token was stale.
+    async fn outbox_settle(&self, batch: &[Settlement]) -> StoreResult<Vec<bool>>;
+
+    /// `possibly_dispatched` items whose lease ran out before `now`.
+    async fn outbox_expired(&self, now: i64, limit: usize) -> StoreResult<Vec<OutboxItem>>;
+
+    /// Resolve an expired possibly-dispatched item, fenced.
+    async fn outbox_reconcile(&self, batch: &[Reconcile]) -> StoreResult<Vec<bool>>;
+
+    /// End every lease now (start-up of a single-process store, whose
+    /// previous owner is known to be dead). Returns how many were ended.
+    async fn outbox_expire_all_leases(&self, now: i64) -> StoreResult<u64>;
+
+    async fn outbox_get(&self, id: i64) -> StoreResult<Option<OutboxItem>>;
+
+    /// Newest first, at most `limit`, optionally one state and/or one
+    /// conversation.
+    async fn outbox_list(&self, filter: &OutboxFilter) -> StoreResult<Vec<OutboxItem>>;
+
+    /// Counts of items per dispatch state.
+    async fn outbox_counts(&self) -> StoreResult<Vec<(DispatchState, i64)>>;
+}
+
+/// Everything durable.
+#[async_trait]
+pub trait Store: JournalStore + RunStore + OutboxStore {
+    /// A short description for logs (`sqlite:data/switchboard.db`).
+    fn describe(&self) -> String;
+
+    /// Whether one process owns the whole store (SQLite), so that leases
+    /// found at start-up are known to be orphaned.
+    fn single_process(&self) -> bool;
+
+    /// Flush and close. Calls after this fail.
+    async fn close(&self);
+}
+
+pub type SharedStore = Arc<dyn Store>;
+
+/// Open the store a config names, apply migrations, and return it.
+pub async fn open(config: &StoreConfig, mode: sqlite::OpenMode) -> StoreResult<SharedStore> {
+    match config.location().map_err(StoreError::Other)? {
+        StoreLocation::Sqlite(path) => {
+            let store = sqlite::SqliteStore::open(&path, config.synchronous, mode).await?;
+            Ok(Arc::new(store))
+        }
+    }
+}

@@ -1,0 +1,228 @@
+//! The inbound journal and the conversation map on SQLite.
+
+use async_trait::async_trait;
+use sqlx::Row;
+use sqlx::sqlite::SqliteRow;
+use switchboard_channel::ChatKind;
+
+use super::{SqliteStore, bad_value, thread_from_db, thread_to_db};
+use crate::store::{
+    Admitted, Disposition, InboundRow, JournalOutcome, JournalStore, NewInbound, StoreResult,
+};
+use crate::surface::SurfaceKind;
+
+macro_rules! inbound_select {
+    () => {
+        "SELECT i.id, i.account, i.update_key, i.conversation_id, c.chat_id, c.chat_kind,
+                c.thread_id, c.surface, i.sender_id, i.sender_name, i.message_id, i.payload,
+                i.disposition, i.reason, i.submission_key, i.run_id, i.received_at, i.settled_at
+         FROM inbound i JOIN conversations c ON c.id = i.conversation_id "
+    };
+}
+
+fn inbound_from_row(row: &SqliteRow) -> StoreResult<InboundRow> {
+    let chat_kind: String = row.try_get("chat_kind")?;
+    let surface: String = row.try_get("surface")?;
+    let disposition: String = row.try_get("disposition")?;
+    Ok(InboundRow {
+        id: row.try_get("id")?,
+        account: row.try_get("account")?,
+        update_key: row.try_get("update_key")?,
+        conversation_id: row.try_get("conversation_id")?,
+        chat_id: row.try_get("chat_id")?,
+        chat_kind: ChatKind::parse(&chat_kind).ok_or_else(|| bad_value("chat_kind", &chat_kind))?,
+        thread_id: thread_from_db(row.try_get("thread_id")?),
+        surface: SurfaceKind::parse(&surface).ok_or_else(|| bad_value("surface", &surface))?,
+        sender_id: row.try_get("sender_id")?,
+        sender_name: row.try_get("sender_name")?,
+        message_id: row.try_get("message_id")?,
+        payload: row.try_get("payload")?,
+        disposition: Disposition::parse(&disposition)
+            .ok_or_else(|| bad_value("disposition", &disposition))?,
+        reason: row.try_get("reason")?,
+        submission_key: row.try_get("submission_key")?,
+        run_id: row.try_get("run_id")?,
+        received_at: row.try_get("received_at")?,
+        settled_at: row.try_get("settled_at")?,
+    })
+}
+
+#[async_trait]
+impl JournalStore for SqliteStore {
+    async fn journal_insert(&self, batch: &[NewInbound]) -> StoreResult<Vec<JournalOutcome>> {
+        let mut tx = self.begin_write().await?;
+        let mut outcomes = Vec::with_capacity(batch.len());
+        for item in batch {
+            let existing = sqlx::query(
+                "SELECT id, conversation_id FROM inbound WHERE account = ? AND update_key = ?",
+            )
+            .bind(&item.account)
+            .bind(&item.update_key)
+            .fetch_optional(&mut *tx)
+            .await?;
+            if let Some(row) = existing {
+                outcomes.push(JournalOutcome::Duplicate {
+                    inbound_id: row.try_get(0)?,
+                    conversation_id: row.try_get(1)?,
+                });
+                continue;
+            }
+            let thread = thread_to_db(&item.thread_id);
+            let conversation: Option<i64> = sqlx::query_scalar(
+                "SELECT id FROM conversations
+                 WHERE account = ? AND chat_id = ? AND thread_id = ? AND closed_at IS NULL",
+            )
+            .bind(&item.account)
+            .bind(&item.chat_id)
+            .bind(thread)
+            .fetch_optional(&mut *tx)
+            .await?;
+            let conversation_id = match conversation {
+                Some(id) => id,
+                None => {
+                    sqlx::query_scalar(
+                        "INSERT INTO conversations (account, chat_id, thread_id, chat_kind, surface, created_at)
+                         VALUES (?, ?, ?, ?, ?, ?) RETURNING id",
+                    )
+                    .bind(&item.account)
+                    .bind(&item.chat_id)
+                    .bind(thread)
+                    .bind(item.chat_kind.as_str())
+                    .bind(item.surface.as_str())
+                    .bind(item.received_at)
+                    .fetch_one(&mut *tx)
+                    .await?
+                }
+            };
+            let settled_at = (item.disposition != Disposition::Pending).then_some(item.received_at);
+            let inbound_id: i64 = sqlx::query_scalar(
+                "INSERT INTO inbound (account, update_key, conversation_id, sender_id, sender_name,
+                    message_id, payload, disposition, reason, submission_key, received_at, settled_at)
+                 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+            )
+            .bind(&item.account)
+            .bind(&item.update_key)
+            .bind(conversation_id)
+            .bind(&item.sender_id)
+            .bind(&item.sender_name)
+            .bind(&item.message_id)
+            .bind(&item.payload)
+            .bind(item.disposition.as_str())
+            .bind(&item.reason)
+            .bind(&item.submission_key)
+            .bind(item.received_at)
+            .bind(settled_at)
+            .fetch_one(&mut *tx)
+            .await?;
+            outcomes.push(JournalOutcome::Accepted {
+                inbound_id,
+                conversation_id,
+            });
+        }
+        tx.commit().await?;
+        Ok(outcomes)
+    }
+
+    async fn journal_pending(&self, limit: usize) -> StoreResult<Vec<InboundRow>> {
+        let rows = sqlx::query(concat!(
+            inbound_select!(),
+            "WHERE i.disposition = 'pending' ORDER BY i.id LIMIT ?"
+        ))
+        .bind(limit as i64)
+        .fetch_all(&self.reader)
+        .await?;
+        rows.iter().map(inbound_from_row).collect()
+    }
+
+    async fn journal_admit(&self, admissions: &[Admitted], now: i64) -> StoreResult<()> {
+        if admissions.is_empty() {
+            return Ok(());
+        }
+        let mut tx = self.begin_write().await?;
+        for a in admissions {
+            sqlx::query(
+                "UPDATE inbound SET disposition = 'admitted', run_id = ?, settled_at = ?
+                 WHERE id = ? AND disposition = 'pending'",
+            )
+            .bind(&a.run_id)
+            .bind(now)
+            .bind(a.inbound_id)
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn journal_settle(
+        &self,
+        inbound_id: i64,
+        disposition: Disposition,
+        reason: &str,
+        now: i64,
+    ) -> StoreResult<bool> {
+        let mut tx = self.begin_write().await?;
+        let done = sqlx::query(
+            "UPDATE inbound SET disposition = ?, reason = ?, settled_at = ?
+             WHERE id = ? AND disposition = 'pending'",
+        )
+        .bind(disposition.as_str())
+        .bind(reason)
+        .bind(now)
+        .bind(inbound_id)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn journal_get(&self, inbound_id: i64) -> StoreResult<Option<InboundRow>> {
+        let row = sqlx::query(concat!(inbound_select!(), "WHERE i.id = ?"))
+            .bind(inbound_id)
+            .fetch_optional(&self.reader)
+            .await?;
+        row.as_ref().map(inbound_from_row).transpose()
+    }
+
+    async fn journal_list(
+        &self,
+        disposition: Option<Disposition>,
+        limit: usize,
+    ) -> StoreResult<Vec<InboundRow>> {
+        let rows = match disposition {
+            Some(d) => {
+                sqlx::query(concat!(
+                    inbound_select!(),
+                    "WHERE i.disposition = ? ORDER BY i.id DESC LIMIT ?"
+                ))
+                .bind(d.as_str())
+                .bind(limit as i64)
+                .fetch_all(&self.reader)
+                .await?
+            }
+            None => {
+                sqlx::query(concat!(inbound_select!(), "ORDER BY i.id DESC LIMIT ?"))
+                    .bind(limit as i64)
+                    .fetch_all(&self.reader)
+                    .await?
+            }
+        };
+        rows.iter().map(inbound_from_row).collect()
+    }
+
+    async fn journal_counts(&self) -> StoreResult<Vec<(Disposition, i64)>> {
+        let rows = sqlx::query("SELECT disposition, COUNT(*) FROM inbound GROUP BY disposition")
+            .fetch_all(&self.reader)
+            .await?;
+        rows.iter()
+            .map(|row| {
+                let d: String = row.try_get(0)?;
+                let n: i64 = row.try_get(1)?;
+                Ok((
+                    Disposition::parse(&d).ok_or_else(|| bad_value("disposition", &d))?,
+                    n,
+                ))
+            })
+            .collect()
+    }
+}

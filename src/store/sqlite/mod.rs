@@ -1,0 +1,162 @@
+//! The SQLite store: the embedded default.
+//!
+//! One writer connection (SQLite allows one writer at a time anyway, so a
+//! pool of writers would only trade waiting for `SQLITE_BUSY`) and a small
+//! pool of readers; WAL lets them read while the writer commits. Write
+//! transactions start with `BEGIN IMMEDIATE` so a transaction never has to
+//! upgrade its lock halfway (an operator's CLI may write to the same file).
+//!
+//! A daemon holds an exclusive lock on `<db>.lock` for as long as it runs:
+//! SQLite is a single-process deployment, which is what lets start-up treat
+//! every outbox lease it finds as orphaned.
+
+mod journal;
+mod outbox;
+mod runs;
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::time::Duration;
+
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
+};
+
+use async_trait::async_trait;
+
+use super::{Store, StoreError, StoreResult};
+use crate::config::Synchronous;
+
+/// How a process opens the store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OpenMode {
+    /// The daemon: takes the exclusive process lock.
+    Daemon,
+    /// An operator tool (`outbox list`, `inbound list`, `migrate`): no lock,
+    /// works beside a running daemon.
+    Tool,
+}
+
+/// The SQLite store.
+pub struct SqliteStore {
+    writer: SqlitePool,
+    reader: SqlitePool,
+    path: PathBuf,
+    /// Held for the life of the store in `Daemon` mode; dropping it
+    /// releases the lock.
+    _lock: Option<File>,
+}
+
+impl SqliteStore {
+    /// Open (creating when missing) and migrate.
+    pub async fn open(path: &Path, synchronous: Synchronous, mode: OpenMode) -> StoreResult<Self> {
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(|e| {
+                StoreError::Other(format!(
+                    "cannot create the store directory {}: {e}",
+                    dir.display()
+                ))
+            })?;
+        }
+        let lock = match mode {
+            OpenMode::Daemon => Some(take_process_lock(path)?),
+            OpenMode::Tool => None,
+        };
+        let synchronous = match synchronous {
+            Synchronous::Full => SqliteSynchronous::Full,
+            Synchronous::Normal => SqliteSynchronous::Normal,
+        };
+        let base = SqliteConnectOptions::from_str("sqlite://")
+            .map_err(StoreError::Database)?
+            .filename(path)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(synchronous)
+            .busy_timeout(Duration::from_secs(10))
+            .foreign_keys(true);
+        let writer = SqlitePoolOptions::new()
+            .max_connections(1)
+            .min_connections(1)
+            .acquire_timeout(Duration::from_secs(60))
+            .connect_with(base.clone().create_if_missing(true))
+            .await?;
+        sqlx::migrate!("./migrations/sqlite").run(&writer).await?;
+        let reader = SqlitePoolOptions::new()
+            .max_connections(4)
+            .min_connections(0)
+            .acquire_timeout(Duration::from_secs(60))
+            .connect_with(base.read_only(true))
+            .await?;
+        Ok(SqliteStore {
+            writer,
+            reader,
+            path: path.to_owned(),
+            _lock: lock,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    async fn begin_write(&self) -> StoreResult<sqlx::Transaction<'static, sqlx::Sqlite>> {
+        Ok(self.writer.begin_with("BEGIN IMMEDIATE").await?)
+    }
+}
+
+#[async_trait]
+impl Store for SqliteStore {
+    fn describe(&self) -> String {
+        format!("sqlite:{}", self.path.display())
+    }
+
+    fn single_process(&self) -> bool {
+        true
+    }
+
+    /// Close the pools (the last connection checkpoints the WAL).
+    async fn close(&self) {
+        self.reader.close().await;
+        self.writer.close().await;
+    }
+}
+
+fn take_process_lock(path: &Path) -> StoreResult<File> {
+    let mut lock_path = path.as_os_str().to_owned();
+    lock_path.push(".lock");
+    let lock_path = PathBuf::from(lock_path);
+    let file = File::options()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .map_err(|e| StoreError::Other(format!("cannot open {}: {e}", lock_path.display())))?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => Err(StoreError::Other(format!(
+            "another switchboard daemon is using {}; stop it first (an SQLite store serves one daemon; use PostgreSQL for several)",
+            path.display()
+        ))),
+        Err(std::fs::TryLockError::Error(e)) => Err(StoreError::Other(format!(
+            "cannot lock {}: {e}",
+            lock_path.display()
+        ))),
+    }
+}
+
+/// `''` in the database is "no thread".
+fn thread_to_db(thread: &Option<String>) -> &str {
+    thread.as_deref().unwrap_or("")
+}
+
+fn thread_from_db(thread: String) -> Option<String> {
+    if thread.is_empty() {
+        None
+    } else {
+        Some(thread)
+    }
+}
+
+fn bad_value(column: &str, value: &str) -> StoreError {
+    StoreError::Other(format!("unexpected value {value:?} in column {column}"))
+}

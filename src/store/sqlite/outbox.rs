@@ -1,0 +1,348 @@
+//! The outbox on SQLite: dispatch states, lanes (the `head` flag), claims
+//! with leases and fencing tokens, group-committed settlements.
+
+use async_trait::async_trait;
+use sqlx::sqlite::SqliteRow;
+use sqlx::{Row, Sqlite, Transaction};
+
+use super::{SqliteStore, bad_value, thread_from_db, thread_to_db};
+use crate::store::{
+    Claim, DispatchState, ItemKind, NewOutboxItem, OutboxFilter, OutboxItem, OutboxStore, Outcome,
+    Reconcile, ReconcileAction, Settlement, StoreResult,
+};
+use crate::surface::SurfaceKind;
+
+macro_rules! outbox_columns {
+    () => {
+        "id, item_key, conversation_id, ordinal, account, chat_id, thread_id, surface, reply_to,
+         run_id, kind, text, state, attempts, resends, next_attempt_at, lease_owner,
+         lease_expires_at, fencing_token, dispatched_at, receipt, reason, created_at, settled_at"
+    };
+}
+
+fn item_from_row(row: &SqliteRow) -> StoreResult<OutboxItem> {
+    let surface: String = row.try_get("surface")?;
+    let kind: String = row.try_get("kind")?;
+    let state: String = row.try_get("state")?;
+    Ok(OutboxItem {
+        id: row.try_get("id")?,
+        item_key: row.try_get("item_key")?,
+        conversation_id: row.try_get("conversation_id")?,
+        ordinal: row.try_get("ordinal")?,
+        account: row.try_get("account")?,
+        chat_id: row.try_get("chat_id")?,
+        thread_id: thread_from_db(row.try_get("thread_id")?),
+        surface: SurfaceKind::parse(&surface).ok_or_else(|| bad_value("surface", &surface))?,
+        reply_to: row.try_get("reply_to")?,
+        run_id: row.try_get("run_id")?,
+        kind: ItemKind::parse(&kind).ok_or_else(|| bad_value("kind", &kind))?,
+        text: row.try_get("text")?,
+        state: DispatchState::parse(&state).ok_or_else(|| bad_value("state", &state))?,
+        attempts: row.try_get("attempts")?,
+        resends: row.try_get("resends")?,
+        next_attempt_at: row.try_get("next_attempt_at")?,
+        lease_owner: row.try_get("lease_owner")?,
+        lease_expires_at: row.try_get("lease_expires_at")?,
+        fencing_token: row.try_get("fencing_token")?,
+        dispatched_at: row.try_get("dispatched_at")?,
+        receipt: row.try_get("receipt")?,
+        reason: row.try_get("reason")?,
+        created_at: row.try_get("created_at")?,
+        settled_at: row.try_get("settled_at")?,
+    })
+}
+
+/// Insert one item at the end of its conversation's lane. It is the lane's
+/// head when nothing earlier in the lane is still waiting. Returns whether
+/// a row was added (`false`: the item key existed).
+pub(super) async fn insert_item(
+    tx: &mut Transaction<'static, Sqlite>,
+    item: &NewOutboxItem,
+) -> StoreResult<bool> {
+    let done = sqlx::query(
+        "INSERT INTO outbox (item_key, conversation_id, ordinal, account, chat_id, thread_id,
+            surface, reply_to, run_id, kind, text, state, head, next_attempt_at, created_at)
+         SELECT ?1, ?2,
+            COALESCE((SELECT MAX(ordinal) FROM outbox WHERE conversation_id = ?2), 0) + 1,
+            ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, 'not_dispatched',
+            NOT EXISTS (SELECT 1 FROM outbox WHERE conversation_id = ?2
+                        AND state IN ('not_dispatched', 'possibly_dispatched')),
+            ?11, ?11
+         WHERE true
+         ON CONFLICT (item_key) DO NOTHING",
+    )
+    .bind(&item.item_key)
+    .bind(item.conversation_id)
+    .bind(&item.account)
+    .bind(&item.chat_id)
+    .bind(thread_to_db(&item.thread_id))
+    .bind(item.surface.as_str())
+    .bind(&item.reply_to)
+    .bind(&item.run_id)
+    .bind(item.kind.as_str())
+    .bind(&item.text)
+    .bind(item.created_at)
+    .execute(&mut **tx)
+    .await?;
+    Ok(done.rows_affected() == 1)
+}
+
+/// Make the lowest waiting item of a conversation its lane's head (after
+/// the previous head was released).
+async fn promote_head(
+    tx: &mut Transaction<'static, Sqlite>,
+    conversation_id: i64,
+) -> StoreResult<()> {
+    sqlx::query(
+        "UPDATE outbox SET head = 1
+         WHERE id = (SELECT id FROM outbox WHERE conversation_id = ?
+                     AND state IN ('not_dispatched', 'possibly_dispatched')
+                     ORDER BY ordinal LIMIT 1)
+           AND head = 0",
+    )
+    .bind(conversation_id)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+#[async_trait]
+impl OutboxStore for SqliteStore {
+    async fn outbox_enqueue(&self, items: &[NewOutboxItem]) -> StoreResult<Vec<bool>> {
+        let mut tx = self.begin_write().await?;
+        let mut out = Vec::with_capacity(items.len());
+        for item in items {
+            out.push(insert_item(&mut tx, item).await?);
+        }
+        tx.commit().await?;
+        Ok(out)
+    }
+
+    async fn outbox_claim(&self, claim: &Claim) -> StoreResult<Vec<OutboxItem>> {
+        let mut tx = self.begin_write().await?;
+        let rows = sqlx::query(concat!(
+            "UPDATE outbox SET state = 'possibly_dispatched', lease_owner = ?1,
+                lease_expires_at = ?2, fencing_token = fencing_token + 1, dispatched_at = ?3
+             WHERE id IN (SELECT id FROM outbox
+                          WHERE state = 'not_dispatched' AND head = 1 AND next_attempt_at <= ?3
+                          ORDER BY next_attempt_at, id LIMIT ?4)
+             RETURNING ",
+            outbox_columns!()
+        ))
+        .bind(&claim.owner)
+        .bind(claim.lease_until)
+        .bind(claim.now)
+        .bind(claim.limit as i64)
+        .fetch_all(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        let mut items = rows
+            .iter()
+            .map(item_from_row)
+            .collect::<StoreResult<Vec<_>>>()?;
+        items.sort_by_key(|i| (i.next_attempt_at, i.id));
+        Ok(items)
+    }
+
+    async fn outbox_settle(&self, batch: &[Settlement]) -> StoreResult<Vec<bool>> {
+        let mut tx = self.begin_write().await?;
+        let mut out = Vec::with_capacity(batch.len());
+        for s in batch {
+            let applied = match &s.outcome {
+                Outcome::Acknowledged { receipt } => {
+                    let conversation: Option<i64> = sqlx::query_scalar(
+                        "UPDATE outbox SET state = 'acknowledged', head = 0, receipt = ?, reason = NULL,
+                            settled_at = ?, lease_owner = NULL, lease_expires_at = NULL
+                         WHERE id = ? AND fencing_token = ? AND state = 'possibly_dispatched'
+                         RETURNING conversation_id",
+                    )
+                    .bind(receipt)
+                    .bind(s.now)
+                    .bind(s.item_id)
+                    .bind(s.fencing_token)
+                    .fetch_optional(&mut *tx)
+                    .await?;
+                    if let Some(conversation_id) = conversation {
+                        promote_head(&mut tx, conversation_id).await?;
+                    }
+                    conversation.is_some()
+                }
+                Outcome::Retry {
+                    next_attempt_at,
+                    counts,
+                    reason,
+                } => {
+                    sqlx::query(
+                        "UPDATE outbox SET state = 'not_dispatched', next_attempt_at = ?,
+                            attempts = attempts + ?, reason = ?, lease_owner = NULL,
+                            lease_expires_at = NULL
+                         WHERE id = ? AND fencing_token = ? AND state = 'possibly_dispatched'",
+                    )
+                    .bind(next_attempt_at)
+                    .bind(i64::from(*counts))
+                    .bind(reason)
+                    .bind(s.item_id)
+                    .bind(s.fencing_token)
+                    .execute(&mut *tx)
+                    .await?
+                    .rows_affected()
+                        == 1
+                }
+                Outcome::Failed { reason } => {
+                    let conversation: Option<i64> = sqlx::query_scalar(
+                        "UPDATE outbox SET state = 'failed', head = 0, reason = ?, settled_at = ?,
+                            lease_owner = NULL, lease_expires_at = NULL
+                         WHERE id = ? AND fencing_token = ? AND state = 'possibly_dispatched'
+                         RETURNING conversation_id",
+                    )
+                    .bind(reason)
+                    .bind(s.now)
+                    .bind(s.item_id)
+                    .bind(s.fencing_token)
+                    .fetch_optional(&mut *tx)
+                    .await?;
+                    if let Some(conversation_id) = conversation {
+                        promote_head(&mut tx, conversation_id).await?;
+                    }
+                    conversation.is_some()
+                }
+                Outcome::Ambiguous {
+                    reason,
+                    reconcile_at,
+                } => {
+                    sqlx::query(
+                        "UPDATE outbox SET lease_expires_at = ?, reason = ?
+                         WHERE id = ? AND fencing_token = ? AND state = 'possibly_dispatched'",
+                    )
+                    .bind(reconcile_at)
+                    .bind(reason)
+                    .bind(s.item_id)
+                    .bind(s.fencing_token)
+                    .execute(&mut *tx)
+                    .await?
+                    .rows_affected()
+                        == 1
+                }
+            };
+            out.push(applied);
+        }
+        tx.commit().await?;
+        Ok(out)
+    }
+
+    async fn outbox_expired(&self, now: i64, limit: usize) -> StoreResult<Vec<OutboxItem>> {
+        let rows = sqlx::query(concat!(
+            "SELECT ",
+            outbox_columns!(),
+            " FROM outbox WHERE state = 'possibly_dispatched' AND lease_expires_at <= ?
+              ORDER BY lease_expires_at LIMIT ?"
+        ))
+        .bind(now)
+        .bind(limit as i64)
+        .fetch_all(&self.reader)
+        .await?;
+        rows.iter().map(item_from_row).collect()
+    }
+
+    async fn outbox_reconcile(&self, batch: &[Reconcile]) -> StoreResult<Vec<bool>> {
+        let mut tx = self.begin_write().await?;
+        let mut out = Vec::with_capacity(batch.len());
+        for r in batch {
+            let applied = match r.action {
+                ReconcileAction::Resend { possible_duplicate } => {
+                    sqlx::query(
+                        "UPDATE outbox SET state = 'not_dispatched', next_attempt_at = ?,
+                            fencing_token = fencing_token + 1, resends = resends + ?,
+                            lease_owner = NULL, lease_expires_at = NULL
+                         WHERE id = ? AND fencing_token = ? AND state = 'possibly_dispatched'",
+                    )
+                    .bind(r.now)
+                    .bind(i64::from(possible_duplicate))
+                    .bind(r.item_id)
+                    .bind(r.fencing_token)
+                    .execute(&mut *tx)
+                    .await?
+                    .rows_affected()
+                        == 1
+                }
+                ReconcileAction::Hold => {
+                    let conversation: Option<i64> = sqlx::query_scalar(
+                        "UPDATE outbox SET state = 'held', head = 0, fencing_token = fencing_token + 1,
+                            lease_owner = NULL, lease_expires_at = NULL, settled_at = ?
+                         WHERE id = ? AND fencing_token = ? AND state = 'possibly_dispatched'
+                         RETURNING conversation_id",
+                    )
+                    .bind(r.now)
+                    .bind(r.item_id)
+                    .bind(r.fencing_token)
+                    .fetch_optional(&mut *tx)
+                    .await?;
+                    if let Some(conversation_id) = conversation {
+                        promote_head(&mut tx, conversation_id).await?;
+                    }
+                    conversation.is_some()
+                }
+            };
+            out.push(applied);
+        }
+        tx.commit().await?;
+        Ok(out)
+    }
+
+    async fn outbox_expire_all_leases(&self, now: i64) -> StoreResult<u64> {
+        let mut tx = self.begin_write().await?;
+        let done = sqlx::query(
+            "UPDATE outbox SET lease_expires_at = ?
+             WHERE state = 'possibly_dispatched' AND (lease_expires_at IS NULL OR lease_expires_at > ?)",
+        )
+        .bind(now)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(done.rows_affected())
+    }
+
+    async fn outbox_get(&self, id: i64) -> StoreResult<Option<OutboxItem>> {
+        let row = sqlx::query(concat!(
+            "SELECT ",
+            outbox_columns!(),
+            " FROM outbox WHERE id = ?"
+        ))
+        .bind(id)
+        .fetch_optional(&self.reader)
+        .await?;
+        row.as_ref().map(item_from_row).transpose()
+    }
+
+    async fn outbox_list(&self, filter: &OutboxFilter) -> StoreResult<Vec<OutboxItem>> {
+        let rows = sqlx::query(concat!(
+            "SELECT ",
+            outbox_columns!(),
+            " FROM outbox WHERE (?1 IS NULL OR state = ?1) AND (?2 IS NULL OR conversation_id = ?2)
+              ORDER BY id DESC LIMIT ?3"
+        ))
+        .bind(filter.state.map(|s| s.as_str()))
+        .bind(filter.conversation_id)
+        .bind(filter.limit as i64)
+        .fetch_all(&self.reader)
+        .await?;
+        rows.iter().map(item_from_row).collect()
+    }
+
+    async fn outbox_counts(&self) -> StoreResult<Vec<(DispatchState, i64)>> {
+        let rows = sqlx::query("SELECT state, COUNT(*) FROM outbox GROUP BY state")
+            .fetch_all(&self.reader)
+            .await?;
+        rows.iter()
+            .map(|row| {
+                let s: String = row.try_get(0)?;
+                let n: i64 = row.try_get(1)?;
+                Ok((
+                    DispatchState::parse(&s).ok_or_else(|| bad_value("state", &s))?,
+                    n,
+                ))
+            })
+            .collect()
+    }
+}

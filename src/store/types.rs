@@ -1,0 +1,363 @@
+//! The rows and the closed enums the store speaks. Strings appear only in
+//! the SQL row mapping (`as_str` / `parse`).
+
+use serde::Serialize;
+use switchboard_channel::ChatKind;
+
+use crate::surface::SurfaceKind;
+
+macro_rules! string_enum {
+    ($(#[$meta:meta])* $name:ident { $($(#[$vmeta:meta])* $variant:ident => $text:literal),+ $(,)? }) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+        #[serde(into = "&'static str")]
+        pub enum $name { $($(#[$vmeta])* $variant),+ }
+
+        impl $name {
+            pub const ALL: &'static [$name] = &[$($name::$variant),+];
+
+            pub fn as_str(self) -> &'static str {
+                match self { $($name::$variant => $text),+ }
+            }
+
+            pub fn parse(s: &str) -> Option<$name> {
+                match s { $($text => Some($name::$variant),)+ _ => None }
+            }
+        }
+
+        impl From<$name> for &'static str {
+            fn from(v: $name) -> &'static str { v.as_str() }
+        }
+
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+    };
+}
+
+string_enum! {
+    /// What became of a journaled update (DESIGN.md promise 3). `Pending` is
+    /// the only non-final one.
+    Disposition {
+        Pending => "pending",
+        Admitted => "admitted",
+        Ignored => "ignored",
+        Rejected => "rejected",
+        Refused => "refused",
+        Failed => "failed",
+        Cancelled => "cancelled",
+        Absorbed => "absorbed",
+    }
+}
+
+string_enum! {
+    /// A run's state in the built-in runtime.
+    RunState {
+        Queued => "queued",
+        Running => "running",
+        InterruptRequested => "interrupt_requested",
+        Completed => "completed",
+        Interrupted => "interrupted",
+        Superseded => "superseded",
+        Absorbed => "absorbed",
+        Cancelled => "cancelled",
+        Failed => "failed",
+    }
+}
+
+impl RunState {
+    pub fn is_terminal(self) -> bool {
+        !matches!(
+            self,
+            RunState::Queued | RunState::Running | RunState::InterruptRequested
+        )
+    }
+}
+
+string_enum! {
+    /// An outbox item's dispatch state (DESIGN.md §4).
+    DispatchState {
+        NotDispatched => "not_dispatched",
+        PossiblyDispatched => "possibly_dispatched",
+        Acknowledged => "acknowledged",
+        Failed => "failed",
+        Held => "held",
+        Dropped => "dropped",
+    }
+}
+
+impl DispatchState {
+    /// Whether an item in this state blocks later items of its lane.
+    pub fn blocks_lane(self) -> bool {
+        matches!(
+            self,
+            DispatchState::NotDispatched | DispatchState::PossiblyDispatched
+        )
+    }
+}
+
+string_enum! {
+    /// What an outbox item is.
+    ItemKind {
+        /// (A chunk of) a run's final answer.
+        Answer => "answer",
+        /// A short message from Switchboard itself (failure notice,
+        /// confirmation).
+        Notice => "notice",
+    }
+}
+
+/// A journal row to insert.
+#[derive(Debug, Clone)]
+pub struct NewInbound {
+    /// The channel account's store identity (`webhook:main`).
+    pub account: String,
+    pub update_key: String,
+    pub chat_id: String,
+    pub chat_kind: ChatKind,
+    /// `None` for chats without threads.
+    pub thread_id: Option<String>,
+    pub surface: SurfaceKind,
+    pub sender_id: Option<String>,
+    pub sender_name: Option<String>,
+    pub message_id: Option<String>,
+    /// The envelope's content as JSON.
+    pub payload: String,
+    /// `Pending`, or a final disposition decided at ingress (an unsupported
+    /// update kind is `Ignored` with its reason).
+    pub disposition: Disposition,
+    pub reason: Option<String>,
+    /// The submission idempotency key derived from the inbound key.
+    pub submission_key: String,
+    pub received_at: i64,
+}
+
+/// The outcome of journaling one update.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum JournalOutcome {
+    Accepted {
+        inbound_id: i64,
+        conversation_id: i64,
+    },
+    Duplicate {
+        inbound_id: i64,
+        conversation_id: i64,
+    },
+}
+
+/// A journal row.
+#[derive(Debug, Clone, Serialize)]
+pub struct InboundRow {
+    pub id: i64,
+    pub account: String,
+    pub update_key: String,
+    pub conversation_id: i64,
+    pub chat_id: String,
+    pub chat_kind: ChatKind,
+    pub thread_id: Option<String>,
+    pub surface: SurfaceKind,
+    pub sender_id: Option<String>,
+    pub sender_name: Option<String>,
+    pub message_id: Option<String>,
+    /// `None` once pruned.
+    pub payload: Option<String>,
+    pub disposition: Disposition,
+    pub reason: Option<String>,
+    pub submission_key: String,
+    pub run_id: Option<String>,
+    pub received_at: i64,
+    pub settled_at: Option<i64>,
+}
+
+/// A journal row's admission by a runtime.
+#[derive(Debug, Clone)]
+pub struct Admitted {
+    pub inbound_id: i64,
+    pub run_id: String,
+}
+
+/// A run to admit.
+#[derive(Debug, Clone)]
+pub struct NewRun {
+    pub idempotency_key: String,
+    pub conversation_id: i64,
+    /// The runtime's configured name.
+    pub runtime: String,
+    pub account: String,
+    pub chat_id: String,
+    pub thread_id: Option<String>,
+    pub surface: SurfaceKind,
+    /// The platform message this run answers, for reply references.
+    pub reply_to: Option<String>,
+    /// The input as JSON.
+    pub input: String,
+    pub priority: i64,
+    pub created_at: i64,
+}
+
+/// A run admission: the run and whether this call created it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunAdmission {
+    pub run_id: i64,
+    pub new: bool,
+    pub state: RunState,
+}
+
+/// A run record.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunRow {
+    pub id: i64,
+    pub idempotency_key: String,
+    pub conversation_id: i64,
+    pub runtime: String,
+    pub account: String,
+    pub chat_id: String,
+    pub thread_id: Option<String>,
+    pub surface: SurfaceKind,
+    pub reply_to: Option<String>,
+    pub input: String,
+    pub state: RunState,
+    /// Urgent runs (`interrupt-next`) have a higher priority; within one
+    /// priority, runs execute in id order.
+    pub priority: i64,
+    pub answer: Option<String>,
+    pub reason: Option<String>,
+    pub created_at: i64,
+    pub started_at: Option<i64>,
+    pub finished_at: Option<i64>,
+}
+
+/// A reply item a finishing run creates.
+#[derive(Debug, Clone)]
+pub struct NewReply {
+    pub item_key: String,
+    pub kind: ItemKind,
+    pub text: String,
+}
+
+/// A run's terminal record and the reply items it creates, written in one
+/// transaction.
+#[derive(Debug, Clone)]
+pub struct RunFinish {
+    pub run_id: i64,
+    pub state: RunState,
+    pub answer: Option<String>,
+    pub reason: Option<String>,
+    pub replies: Vec<NewReply>,
+    pub now: i64,
+}
+
+/// An outbox item to add.
+#[derive(Debug, Clone)]
+pub struct NewOutboxItem {
+    pub item_key: String,
+    pub conversation_id: i64,
+    pub account: String,
+    pub chat_id: String,
+    pub thread_id: Option<String>,
+    pub surface: SurfaceKind,
+    pub reply_to: Option<String>,
+    pub run_id: Option<String>,
+    pub kind: ItemKind,
+    pub text: String,
+    pub created_at: i64,
+}
+
+/// An outbox item.
+#[derive(Debug, Clone, Serialize)]
+pub struct OutboxItem {
+    pub id: i64,
+    pub item_key: String,
+    pub conversation_id: i64,
+    pub ordinal: i64,
+    pub account: String,
+    pub chat_id: String,
+    pub thread_id: Option<String>,
+    pub surface: SurfaceKind,
+    pub reply_to: Option<String>,
+    pub run_id: Option<String>,
+    pub kind: ItemKind,
+    pub text: String,
+    pub state: DispatchState,
+    /// `NotSent` outcomes so far.
+    pub attempts: i64,
+    /// Resends after an ambiguous outcome (possible duplicates on `resend`
+    /// surfaces).
+    pub resends: i64,
+    pub next_attempt_at: i64,
+    pub lease_owner: Option<String>,
+    pub lease_expires_at: Option<i64>,
+    pub fencing_token: i64,
+    pub dispatched_at: Option<i64>,
+    /// The receipt as JSON, once acknowledged.
+    pub receipt: Option<String>,
+    /// Why it failed, or the last error.
+    pub reason: Option<String>,
+    pub created_at: i64,
+    pub settled_at: Option<i64>,
+}
+
+/// A claim of due lane heads.
+#[derive(Debug, Clone)]
+pub struct Claim {
+    pub owner: String,
+    pub now: i64,
+    pub lease_until: i64,
+    pub limit: usize,
+}
+
+/// A dispatch outcome to record.
+#[derive(Debug, Clone)]
+pub struct Settlement {
+    pub item_id: i64,
+    pub fencing_token: i64,
+    pub outcome: Outcome,
+    pub now: i64,
+}
+
+/// What the dispatcher learnt from one send.
+#[derive(Debug, Clone)]
+pub enum Outcome {
+    /// The platform confirmed it; `receipt` is JSON.
+    Acknowledged { receipt: String },
+    /// Not delivered; due again at `next_attempt_at`. `counts` says whether
+    /// it uses up an attempt (`NotSent` does, `RetryAfter` does not).
+    Retry {
+        next_attempt_at: i64,
+        counts: bool,
+        reason: String,
+    },
+    /// Permanently refused or out of attempts.
+    Failed { reason: String },
+    /// Outcome unknown: stays `possibly_dispatched`; reconciled once its
+    /// lease runs out at `reconcile_at`.
+    Ambiguous { reason: String, reconcile_at: i64 },
+}
+
+/// A reconciliation decision for an expired possibly-dispatched item.
+#[derive(Debug, Clone)]
+pub struct Reconcile {
+    pub item_id: i64,
+    pub fencing_token: i64,
+    pub action: ReconcileAction,
+    pub now: i64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReconcileAction {
+    /// Back to `not_dispatched`, due now. `possible_duplicate` counts it as
+    /// a possible duplicate (the `resend` policy).
+    Resend { possible_duplicate: bool },
+    /// To `held`, for an operator.
+    Hold,
+}
+
+/// Which outbox items to list.
+#[derive(Debug, Clone, Default)]
+pub struct OutboxFilter {
+    pub state: Option<DispatchState>,
+    pub conversation_id: Option<i64>,
+    pub limit: usize,
+}
