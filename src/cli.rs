@@ -3,6 +3,8 @@
 
 use std::fmt::Write as _;
 
+use switchboard_channel::Content;
+
 use crate::store::{
     DispatchState, Disposition, InboundRow, OutboxFilter, OutboxItem, SharedStore, StoreResult,
 };
@@ -77,12 +79,11 @@ fn opt(v: &Option<String>) -> String {
 
 /// The text of a journal row's payload, for display.
 fn inbound_text(row: &InboundRow) -> String {
-    match &row.payload {
+    match row.payload.as_deref().map(serde_json::from_str::<Content>) {
         None => "(pruned)".to_owned(),
-        Some(p) => serde_json::from_str::<serde_json::Value>(p)
-            .ok()
-            .and_then(|v| v.get("text").and_then(|t| t.as_str()).map(str::to_owned))
-            .unwrap_or_else(|| p.clone()),
+        Some(Ok(Content::Message { text, .. })) => text,
+        Some(Ok(Content::Unsupported { kind, .. })) => format!("({kind})"),
+        Some(Err(_)) => "(unreadable)".to_owned(),
     }
 }
 
@@ -108,7 +109,7 @@ pub fn inbound_table(rows: &[InboundRow]) -> String {
             r.disposition.to_string(),
             opt(&r.run_id),
             cell(&inbound_text(r), 40),
-            cell(r.reason.as_deref().unwrap_or("-"), 50),
+            cell(r.reason.as_deref().unwrap_or("-"), 80),
         ]);
     }
     table.render()
@@ -128,7 +129,7 @@ pub fn outbox_table(items: &[OutboxItem]) -> String {
             i.resends.to_string(),
             i.item_key.clone(),
             cell(&i.text, 40),
-            cell(i.reason.as_deref().unwrap_or("-"), 50),
+            cell(i.reason.as_deref().unwrap_or("-"), 80),
         ]);
     }
     table.render()

@@ -20,6 +20,18 @@ macro_rules! inbound_select {
     };
 }
 
+pub(super) const FIND_UPDATE: &str =
+    "SELECT id, conversation_id FROM inbound WHERE account = ? AND update_key = ?";
+pub(super) const FIND_CONVERSATION: &str = "SELECT id FROM conversations
+     WHERE account = ? AND chat_id = ? AND thread_id = ? AND closed_at IS NULL";
+pub(super) const PENDING: &str = concat!(
+    inbound_select!(),
+    "WHERE i.disposition = 'pending' ORDER BY i.id LIMIT ?"
+);
+pub(super) const ADMIT: &str =
+    "UPDATE inbound SET disposition = 'admitted', run_id = ?, settled_at = ?
+     WHERE id = ? AND disposition = 'pending'";
+
 fn inbound_from_row(row: &SqliteRow) -> StoreResult<InboundRow> {
     let chat_kind: String = row.try_get("chat_kind")?;
     let surface: String = row.try_get("surface")?;
@@ -53,13 +65,11 @@ impl JournalStore for SqliteStore {
         let mut tx = self.begin_write().await?;
         let mut outcomes = Vec::with_capacity(batch.len());
         for item in batch {
-            let existing = sqlx::query(
-                "SELECT id, conversation_id FROM inbound WHERE account = ? AND update_key = ?",
-            )
-            .bind(&item.account)
-            .bind(&item.update_key)
-            .fetch_optional(&mut *tx)
-            .await?;
+            let existing = sqlx::query(FIND_UPDATE)
+                .bind(&item.account)
+                .bind(&item.update_key)
+                .fetch_optional(&mut *tx)
+                .await?;
             if let Some(row) = existing {
                 outcomes.push(JournalOutcome::Duplicate {
                     inbound_id: row.try_get(0)?,
@@ -68,15 +78,12 @@ impl JournalStore for SqliteStore {
                 continue;
             }
             let thread = thread_to_db(&item.thread_id);
-            let conversation: Option<i64> = sqlx::query_scalar(
-                "SELECT id FROM conversations
-                 WHERE account = ? AND chat_id = ? AND thread_id = ? AND closed_at IS NULL",
-            )
-            .bind(&item.account)
-            .bind(&item.chat_id)
-            .bind(thread)
-            .fetch_optional(&mut *tx)
-            .await?;
+            let conversation: Option<i64> = sqlx::query_scalar(FIND_CONVERSATION)
+                .bind(&item.account)
+                .bind(&item.chat_id)
+                .bind(thread)
+                .fetch_optional(&mut *tx)
+                .await?;
             let conversation_id = match conversation {
                 Some(id) => id,
                 None => {
@@ -124,13 +131,10 @@ impl JournalStore for SqliteStore {
     }
 
     async fn journal_pending(&self, limit: usize) -> StoreResult<Vec<InboundRow>> {
-        let rows = sqlx::query(concat!(
-            inbound_select!(),
-            "WHERE i.disposition = 'pending' ORDER BY i.id LIMIT ?"
-        ))
-        .bind(limit as i64)
-        .fetch_all(&self.reader)
-        .await?;
+        let rows = sqlx::query(PENDING)
+            .bind(limit as i64)
+            .fetch_all(&self.reader)
+            .await?;
         rows.iter().map(inbound_from_row).collect()
     }
 
@@ -140,15 +144,12 @@ impl JournalStore for SqliteStore {
         }
         let mut tx = self.begin_write().await?;
         for a in admissions {
-            sqlx::query(
-                "UPDATE inbound SET disposition = 'admitted', run_id = ?, settled_at = ?
-                 WHERE id = ? AND disposition = 'pending'",
-            )
-            .bind(&a.run_id)
-            .bind(now)
-            .bind(a.inbound_id)
-            .execute(&mut *tx)
-            .await?;
+            sqlx::query(ADMIT)
+                .bind(&a.run_id)
+                .bind(now)
+                .bind(a.inbound_id)
+                .execute(&mut *tx)
+                .await?;
         }
         tx.commit().await?;
         Ok(())

@@ -160,3 +160,72 @@ fn thread_from_db(thread: String) -> Option<String> {
 fn bad_value(column: &str, value: &str) -> StoreError {
     StoreError::Other(format!("unexpected value {value:?} in column {column}"))
 }
+
+/// Promise 10: every hot-path statement reads through an index. SQLite's
+/// own planner is asked about the very statements the store runs; a full
+/// table scan or a sort of an unbounded result fails the test.
+#[cfg(test)]
+mod plan_tests {
+    use sqlx::Row;
+
+    use super::*;
+
+    const HOT_PATHS: &[(&str, &str)] = &[
+        ("journal: find update", journal::FIND_UPDATE),
+        ("journal: find conversation", journal::FIND_CONVERSATION),
+        ("journal: pending", journal::PENDING),
+        ("journal: admit", journal::ADMIT),
+        ("runs: admit", runs::ADMIT),
+        ("runs: find by key", runs::FIND_BY_KEY),
+        ("runs: start", runs::START),
+        ("runs: finish", runs::FINISH),
+        ("runs: unfinished", runs::UNFINISHED),
+        ("outbox: insert item", outbox::INSERT_ITEM),
+        ("outbox: promote head", outbox::PROMOTE_HEAD),
+        ("outbox: claim", outbox::CLAIM),
+        ("outbox: ack", outbox::ACK),
+        ("outbox: retry", outbox::RETRY),
+        ("outbox: fail", outbox::FAIL),
+        ("outbox: ambiguous", outbox::AMBIGUOUS),
+        ("outbox: resend", outbox::RESEND),
+        ("outbox: hold", outbox::HOLD),
+        ("outbox: expired", outbox::EXPIRED),
+    ];
+
+    #[tokio::test]
+    async fn hot_paths_read_through_indexes() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SqliteStore::open(
+            &dir.path().join("plan.db"),
+            Synchronous::Full,
+            OpenMode::Tool,
+        )
+        .await
+        .unwrap();
+        // Statistics as a busy store would have them, so the planner's
+        // choices are the ones it makes in production.
+        sqlx::query("ANALYZE").execute(&store.writer).await.unwrap();
+        let mut problems = Vec::new();
+        for (name, sql) in HOT_PATHS {
+            let rows = sqlx::query(sqlx::AssertSqlSafe(format!("EXPLAIN QUERY PLAN {sql}")))
+                .fetch_all(&store.writer)
+                .await
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+            for row in rows {
+                let detail: String = row.get(3);
+                let scan = detail.starts_with("SCAN ")
+                    && !detail.contains(" USING ")
+                    && detail != "SCAN CONSTANT ROW";
+                let sort = detail.contains("TEMP B-TREE");
+                if scan || sort {
+                    problems.push(format!("{name}: {detail}"));
+                }
+            }
+        }
+        assert!(
+            problems.is_empty(),
+            "hot paths without an index:\n{}",
+            problems.join("\n")
+        );
+    }
+}

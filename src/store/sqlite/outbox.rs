@@ -20,6 +20,65 @@ macro_rules! outbox_columns {
     };
 }
 
+// The hot-path statements, named so the query-plan test checks the very
+// statements the store runs.
+pub(super) const INSERT_ITEM: &str =
+    "INSERT INTO outbox (item_key, conversation_id, ordinal, account, chat_id, thread_id,
+     surface, reply_to, run_id, kind, text, state, head, next_attempt_at, created_at)
+     SELECT ?1, ?2,
+     COALESCE((SELECT MAX(ordinal) FROM outbox WHERE conversation_id = ?2), 0) + 1,
+     ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, 'not_dispatched',
+     NOT EXISTS (SELECT 1 FROM outbox WHERE conversation_id = ?2
+     AND state IN ('not_dispatched', 'possibly_dispatched')),
+     ?11, ?11
+     WHERE true
+     ON CONFLICT (item_key) DO NOTHING";
+pub(super) const PROMOTE_HEAD: &str = "UPDATE outbox SET head = 1
+     WHERE id = (SELECT id FROM outbox WHERE conversation_id = ?
+     AND state IN ('not_dispatched', 'possibly_dispatched')
+     ORDER BY ordinal LIMIT 1)
+     AND head = 0";
+pub(super) const ACK: &str =
+    "UPDATE outbox SET state = 'acknowledged', head = 0, receipt = ?, reason = NULL,
+     settled_at = ?, lease_owner = NULL, lease_expires_at = NULL
+     WHERE id = ? AND fencing_token = ? AND state = 'possibly_dispatched'
+     RETURNING conversation_id";
+pub(super) const RETRY: &str = "UPDATE outbox SET state = 'not_dispatched', next_attempt_at = ?,
+     attempts = attempts + ?, reason = ?, lease_owner = NULL,
+     lease_expires_at = NULL
+     WHERE id = ? AND fencing_token = ? AND state = 'possibly_dispatched'";
+pub(super) const FAIL: &str =
+    "UPDATE outbox SET state = 'failed', head = 0, reason = ?, settled_at = ?,
+     lease_owner = NULL, lease_expires_at = NULL
+     WHERE id = ? AND fencing_token = ? AND state = 'possibly_dispatched'
+     RETURNING conversation_id";
+pub(super) const AMBIGUOUS: &str = "UPDATE outbox SET lease_expires_at = ?, reason = ?
+     WHERE id = ? AND fencing_token = ? AND state = 'possibly_dispatched'";
+pub(super) const RESEND: &str = "UPDATE outbox SET state = 'not_dispatched', next_attempt_at = ?,
+     fencing_token = fencing_token + 1, resends = resends + ?,
+     lease_owner = NULL, lease_expires_at = NULL
+     WHERE id = ? AND fencing_token = ? AND state = 'possibly_dispatched'";
+pub(super) const HOLD: &str =
+    "UPDATE outbox SET state = 'held', head = 0, fencing_token = fencing_token + 1,
+     lease_owner = NULL, lease_expires_at = NULL, settled_at = ?
+     WHERE id = ? AND fencing_token = ? AND state = 'possibly_dispatched'
+     RETURNING conversation_id";
+pub(super) const CLAIM: &str = concat!(
+    "UPDATE outbox SET state = 'possibly_dispatched', lease_owner = ?1,
+        lease_expires_at = ?2, fencing_token = fencing_token + 1, dispatched_at = ?3
+     WHERE id IN (SELECT id FROM outbox
+                  WHERE state = 'not_dispatched' AND head = 1 AND next_attempt_at <= ?3
+                  ORDER BY next_attempt_at, id LIMIT ?4)
+     RETURNING ",
+    outbox_columns!()
+);
+pub(super) const EXPIRED: &str = concat!(
+    "SELECT ",
+    outbox_columns!(),
+    " FROM outbox WHERE state = 'possibly_dispatched' AND lease_expires_at <= ?
+      ORDER BY lease_expires_at LIMIT ?"
+);
+
 fn item_from_row(row: &SqliteRow) -> StoreResult<OutboxItem> {
     let surface: String = row.try_get("surface")?;
     let kind: String = row.try_get("kind")?;
@@ -59,31 +118,20 @@ pub(super) async fn insert_item(
     tx: &mut Transaction<'static, Sqlite>,
     item: &NewOutboxItem,
 ) -> StoreResult<bool> {
-    let done = sqlx::query(
-        "INSERT INTO outbox (item_key, conversation_id, ordinal, account, chat_id, thread_id,
-            surface, reply_to, run_id, kind, text, state, head, next_attempt_at, created_at)
-         SELECT ?1, ?2,
-            COALESCE((SELECT MAX(ordinal) FROM outbox WHERE conversation_id = ?2), 0) + 1,
-            ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, 'not_dispatched',
-            NOT EXISTS (SELECT 1 FROM outbox WHERE conversation_id = ?2
-                        AND state IN ('not_dispatched', 'possibly_dispatched')),
-            ?11, ?11
-         WHERE true
-         ON CONFLICT (item_key) DO NOTHING",
-    )
-    .bind(&item.item_key)
-    .bind(item.conversation_id)
-    .bind(&item.account)
-    .bind(&item.chat_id)
-    .bind(thread_to_db(&item.thread_id))
-    .bind(item.surface.as_str())
-    .bind(&item.reply_to)
-    .bind(&item.run_id)
-    .bind(item.kind.as_str())
-    .bind(&item.text)
-    .bind(item.created_at)
-    .execute(&mut **tx)
-    .await?;
+    let done = sqlx::query(INSERT_ITEM)
+        .bind(&item.item_key)
+        .bind(item.conversation_id)
+        .bind(&item.account)
+        .bind(&item.chat_id)
+        .bind(thread_to_db(&item.thread_id))
+        .bind(item.surface.as_str())
+        .bind(&item.reply_to)
+        .bind(&item.run_id)
+        .bind(item.kind.as_str())
+        .bind(&item.text)
+        .bind(item.created_at)
+        .execute(&mut **tx)
+        .await?;
     Ok(done.rows_affected() == 1)
 }
 
@@ -93,16 +141,10 @@ async fn promote_head(
     tx: &mut Transaction<'static, Sqlite>,
     conversation_id: i64,
 ) -> StoreResult<()> {
-    sqlx::query(
-        "UPDATE outbox SET head = 1
-         WHERE id = (SELECT id FROM outbox WHERE conversation_id = ?
-                     AND state IN ('not_dispatched', 'possibly_dispatched')
-                     ORDER BY ordinal LIMIT 1)
-           AND head = 0",
-    )
-    .bind(conversation_id)
-    .execute(&mut **tx)
-    .await?;
+    sqlx::query(PROMOTE_HEAD)
+        .bind(conversation_id)
+        .execute(&mut **tx)
+        .await?;
     Ok(())
 }
 
@@ -120,21 +162,13 @@ impl OutboxStore for SqliteStore {
 
     async fn outbox_claim(&self, claim: &Claim) -> StoreResult<Vec<OutboxItem>> {
         let mut tx = self.begin_write().await?;
-        let rows = sqlx::query(concat!(
-            "UPDATE outbox SET state = 'possibly_dispatched', lease_owner = ?1,
-                lease_expires_at = ?2, fencing_token = fencing_token + 1, dispatched_at = ?3
-             WHERE id IN (SELECT id FROM outbox
-                          WHERE state = 'not_dispatched' AND head = 1 AND next_attempt_at <= ?3
-                          ORDER BY next_attempt_at, id LIMIT ?4)
-             RETURNING ",
-            outbox_columns!()
-        ))
-        .bind(&claim.owner)
-        .bind(claim.lease_until)
-        .bind(claim.now)
-        .bind(claim.limit as i64)
-        .fetch_all(&mut *tx)
-        .await?;
+        let rows = sqlx::query(CLAIM)
+            .bind(&claim.owner)
+            .bind(claim.lease_until)
+            .bind(claim.now)
+            .bind(claim.limit as i64)
+            .fetch_all(&mut *tx)
+            .await?;
         tx.commit().await?;
         let mut items = rows
             .iter()
@@ -150,18 +184,13 @@ impl OutboxStore for SqliteStore {
         for s in batch {
             let applied = match &s.outcome {
                 Outcome::Acknowledged { receipt } => {
-                    let conversation: Option<i64> = sqlx::query_scalar(
-                        "UPDATE outbox SET state = 'acknowledged', head = 0, receipt = ?, reason = NULL,
-                            settled_at = ?, lease_owner = NULL, lease_expires_at = NULL
-                         WHERE id = ? AND fencing_token = ? AND state = 'possibly_dispatched'
-                         RETURNING conversation_id",
-                    )
-                    .bind(receipt)
-                    .bind(s.now)
-                    .bind(s.item_id)
-                    .bind(s.fencing_token)
-                    .fetch_optional(&mut *tx)
-                    .await?;
+                    let conversation: Option<i64> = sqlx::query_scalar(ACK)
+                        .bind(receipt)
+                        .bind(s.now)
+                        .bind(s.item_id)
+                        .bind(s.fencing_token)
+                        .fetch_optional(&mut *tx)
+                        .await?;
                     if let Some(conversation_id) = conversation {
                         promote_head(&mut tx, conversation_id).await?;
                     }
@@ -172,35 +201,25 @@ impl OutboxStore for SqliteStore {
                     counts,
                     reason,
                 } => {
-                    sqlx::query(
-                        "UPDATE outbox SET state = 'not_dispatched', next_attempt_at = ?,
-                            attempts = attempts + ?, reason = ?, lease_owner = NULL,
-                            lease_expires_at = NULL
-                         WHERE id = ? AND fencing_token = ? AND state = 'possibly_dispatched'",
-                    )
-                    .bind(next_attempt_at)
-                    .bind(i64::from(*counts))
-                    .bind(reason)
-                    .bind(s.item_id)
-                    .bind(s.fencing_token)
-                    .execute(&mut *tx)
-                    .await?
-                    .rows_affected()
+                    sqlx::query(RETRY)
+                        .bind(next_attempt_at)
+                        .bind(i64::from(*counts))
+                        .bind(reason)
+                        .bind(s.item_id)
+                        .bind(s.fencing_token)
+                        .execute(&mut *tx)
+                        .await?
+                        .rows_affected()
                         == 1
                 }
                 Outcome::Failed { reason } => {
-                    let conversation: Option<i64> = sqlx::query_scalar(
-                        "UPDATE outbox SET state = 'failed', head = 0, reason = ?, settled_at = ?,
-                            lease_owner = NULL, lease_expires_at = NULL
-                         WHERE id = ? AND fencing_token = ? AND state = 'possibly_dispatched'
-                         RETURNING conversation_id",
-                    )
-                    .bind(reason)
-                    .bind(s.now)
-                    .bind(s.item_id)
-                    .bind(s.fencing_token)
-                    .fetch_optional(&mut *tx)
-                    .await?;
+                    let conversation: Option<i64> = sqlx::query_scalar(FAIL)
+                        .bind(reason)
+                        .bind(s.now)
+                        .bind(s.item_id)
+                        .bind(s.fencing_token)
+                        .fetch_optional(&mut *tx)
+                        .await?;
                     if let Some(conversation_id) = conversation {
                         promote_head(&mut tx, conversation_id).await?;
                     }
@@ -210,17 +229,14 @@ impl OutboxStore for SqliteStore {
                     reason,
                     reconcile_at,
                 } => {
-                    sqlx::query(
-                        "UPDATE outbox SET lease_expires_at = ?, reason = ?
-                         WHERE id = ? AND fencing_token = ? AND state = 'possibly_dispatched'",
-                    )
-                    .bind(reconcile_at)
-                    .bind(reason)
-                    .bind(s.item_id)
-                    .bind(s.fencing_token)
-                    .execute(&mut *tx)
-                    .await?
-                    .rows_affected()
+                    sqlx::query(AMBIGUOUS)
+                        .bind(reconcile_at)
+                        .bind(reason)
+                        .bind(s.item_id)
+                        .bind(s.fencing_token)
+                        .execute(&mut *tx)
+                        .await?
+                        .rows_affected()
                         == 1
                 }
             };
@@ -231,16 +247,11 @@ impl OutboxStore for SqliteStore {
     }
 
     async fn outbox_expired(&self, now: i64, limit: usize) -> StoreResult<Vec<OutboxItem>> {
-        let rows = sqlx::query(concat!(
-            "SELECT ",
-            outbox_columns!(),
-            " FROM outbox WHERE state = 'possibly_dispatched' AND lease_expires_at <= ?
-              ORDER BY lease_expires_at LIMIT ?"
-        ))
-        .bind(now)
-        .bind(limit as i64)
-        .fetch_all(&self.reader)
-        .await?;
+        let rows = sqlx::query(EXPIRED)
+            .bind(now)
+            .bind(limit as i64)
+            .fetch_all(&self.reader)
+            .await?;
         rows.iter().map(item_from_row).collect()
     }
 
@@ -250,33 +261,23 @@ impl OutboxStore for SqliteStore {
         for r in batch {
             let applied = match r.action {
                 ReconcileAction::Resend { possible_duplicate } => {
-                    sqlx::query(
-                        "UPDATE outbox SET state = 'not_dispatched', next_attempt_at = ?,
-                            fencing_token = fencing_token + 1, resends = resends + ?,
-                            lease_owner = NULL, lease_expires_at = NULL
-                         WHERE id = ? AND fencing_token = ? AND state = 'possibly_dispatched'",
-                    )
-                    .bind(r.now)
-                    .bind(i64::from(possible_duplicate))
-                    .bind(r.item_id)
-                    .bind(r.fencing_token)
-                    .execute(&mut *tx)
-                    .await?
-                    .rows_affected()
+                    sqlx::query(RESEND)
+                        .bind(r.now)
+                        .bind(i64::from(possible_duplicate))
+                        .bind(r.item_id)
+                        .bind(r.fencing_token)
+                        .execute(&mut *tx)
+                        .await?
+                        .rows_affected()
                         == 1
                 }
                 ReconcileAction::Hold => {
-                    let conversation: Option<i64> = sqlx::query_scalar(
-                        "UPDATE outbox SET state = 'held', head = 0, fencing_token = fencing_token + 1,
-                            lease_owner = NULL, lease_expires_at = NULL, settled_at = ?
-                         WHERE id = ? AND fencing_token = ? AND state = 'possibly_dispatched'
-                         RETURNING conversation_id",
-                    )
-                    .bind(r.now)
-                    .bind(r.item_id)
-                    .bind(r.fencing_token)
-                    .fetch_optional(&mut *tx)
-                    .await?;
+                    let conversation: Option<i64> = sqlx::query_scalar(HOLD)
+                        .bind(r.now)
+                        .bind(r.item_id)
+                        .bind(r.fencing_token)
+                        .fetch_optional(&mut *tx)
+                        .await?;
                     if let Some(conversation_id) = conversation {
                         promote_head(&mut tx, conversation_id).await?;
                     }

@@ -18,6 +18,24 @@ macro_rules! run_columns {
     };
 }
 
+pub(super) const ADMIT: &str =
+    "INSERT INTO runs (idempotency_key, conversation_id, runtime, account, chat_id,
+        thread_id, surface, reply_to, input, state, priority, created_at)
+     VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 'queued', ?, ?)
+     ON CONFLICT (idempotency_key) DO NOTHING RETURNING id";
+pub(super) const FIND_BY_KEY: &str = "SELECT id, state FROM runs WHERE idempotency_key = ?";
+pub(super) const START: &str =
+    "UPDATE runs SET state = 'running', started_at = ? WHERE id = ? AND state = 'queued'";
+pub(super) const FINISH: &str = "UPDATE runs SET state = ?, answer = ?, reason = ?, finished_at = ?
+     WHERE id = ? AND state IN ('queued', 'running', 'interrupt_requested')
+     RETURNING conversation_id, account, chat_id, thread_id, surface, reply_to";
+pub(super) const UNFINISHED: &str = concat!(
+    "SELECT ",
+    run_columns!(),
+    " FROM runs WHERE state IN ('queued', 'running', 'interrupt_requested') AND id > ?
+      ORDER BY id LIMIT ?"
+);
+
 fn run_from_row(row: &SqliteRow) -> StoreResult<RunRow> {
     let surface: String = row.try_get("surface")?;
     let state: String = row.try_get("state")?;
@@ -48,25 +66,20 @@ impl RunStore for SqliteStore {
         let mut tx = self.begin_write().await?;
         let mut out = Vec::with_capacity(batch.len());
         for run in batch {
-            let inserted: Option<i64> = sqlx::query_scalar(
-                "INSERT INTO runs (idempotency_key, conversation_id, runtime, account, chat_id,
-                    thread_id, surface, reply_to, input, state, priority, created_at)
-                 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 'queued', ?, ?)
-                 ON CONFLICT (idempotency_key) DO NOTHING RETURNING id",
-            )
-            .bind(&run.idempotency_key)
-            .bind(run.conversation_id)
-            .bind(&run.runtime)
-            .bind(&run.account)
-            .bind(&run.chat_id)
-            .bind(thread_to_db(&run.thread_id))
-            .bind(run.surface.as_str())
-            .bind(&run.reply_to)
-            .bind(&run.input)
-            .bind(run.priority)
-            .bind(run.created_at)
-            .fetch_optional(&mut *tx)
-            .await?;
+            let inserted: Option<i64> = sqlx::query_scalar(ADMIT)
+                .bind(&run.idempotency_key)
+                .bind(run.conversation_id)
+                .bind(&run.runtime)
+                .bind(&run.account)
+                .bind(&run.chat_id)
+                .bind(thread_to_db(&run.thread_id))
+                .bind(run.surface.as_str())
+                .bind(&run.reply_to)
+                .bind(&run.input)
+                .bind(run.priority)
+                .bind(run.created_at)
+                .fetch_optional(&mut *tx)
+                .await?;
             let admission = match inserted {
                 Some(run_id) => RunAdmission {
                     run_id,
@@ -74,7 +87,7 @@ impl RunStore for SqliteStore {
                     state: RunState::Queued,
                 },
                 None => {
-                    let row = sqlx::query("SELECT id, state FROM runs WHERE idempotency_key = ?")
+                    let row = sqlx::query(FIND_BY_KEY)
                         .bind(&run.idempotency_key)
                         .fetch_one(&mut *tx)
                         .await?;
@@ -98,13 +111,11 @@ impl RunStore for SqliteStore {
         }
         let mut tx = self.begin_write().await?;
         for id in run_ids {
-            sqlx::query(
-                "UPDATE runs SET state = 'running', started_at = ? WHERE id = ? AND state = 'queued'",
-            )
-            .bind(now)
-            .bind(id)
-            .execute(&mut *tx)
-            .await?;
+            sqlx::query(START)
+                .bind(now)
+                .bind(id)
+                .execute(&mut *tx)
+                .await?;
         }
         tx.commit().await?;
         Ok(())
@@ -114,18 +125,14 @@ impl RunStore for SqliteStore {
         let mut tx = self.begin_write().await?;
         let mut out = Vec::with_capacity(batch.len());
         for finish in batch {
-            let routed = sqlx::query(
-                "UPDATE runs SET state = ?, answer = ?, reason = ?, finished_at = ?
-                 WHERE id = ? AND state IN ('queued', 'running', 'interrupt_requested')
-                 RETURNING conversation_id, account, chat_id, thread_id, surface, reply_to",
-            )
-            .bind(finish.state.as_str())
-            .bind(&finish.answer)
-            .bind(&finish.reason)
-            .bind(finish.now)
-            .bind(finish.run_id)
-            .fetch_optional(&mut *tx)
-            .await?;
+            let routed = sqlx::query(FINISH)
+                .bind(finish.state.as_str())
+                .bind(&finish.answer)
+                .bind(&finish.reason)
+                .bind(finish.now)
+                .bind(finish.run_id)
+                .fetch_optional(&mut *tx)
+                .await?;
             let Some(route) = routed else {
                 out.push(false);
                 continue;
@@ -156,16 +163,11 @@ impl RunStore for SqliteStore {
     }
 
     async fn runs_unfinished(&self, after_id: i64, limit: usize) -> StoreResult<Vec<RunRow>> {
-        let rows = sqlx::query(concat!(
-            "SELECT ",
-            run_columns!(),
-            " FROM runs WHERE state IN ('queued', 'running', 'interrupt_requested') AND id > ?
-              ORDER BY id LIMIT ?"
-        ))
-        .bind(after_id)
-        .bind(limit as i64)
-        .fetch_all(&self.reader)
-        .await?;
+        let rows = sqlx::query(UNFINISHED)
+            .bind(after_id)
+            .bind(limit as i64)
+            .fetch_all(&self.reader)
+            .await?;
         rows.iter().map(run_from_row).collect()
     }
 

@@ -1,0 +1,87 @@
+//! Every file in `config/` parses and validates, and the default file's
+//! documented values are the code's real defaults (so the documentation
+//! cannot drift from the code).
+
+use std::path::Path;
+
+use switchboard::config::Config;
+
+#[test]
+fn every_example_config_loads() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("config");
+    let mut checked = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "toml") {
+            let text = std::fs::read_to_string(&path).unwrap();
+            if let Err(e) = Config::from_toml(&text) {
+                panic!("{} does not load: {e}", path.display());
+            }
+            checked += 1;
+        }
+    }
+    assert!(
+        checked >= 1,
+        "no example configs found in {}",
+        dir.display()
+    );
+}
+
+#[test]
+fn the_default_file_documents_the_real_defaults() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/switchboard.toml");
+    let documented = Config::from_toml(&std::fs::read_to_string(path).unwrap()).unwrap();
+    // The same runtime and channel with every other key left to the code.
+    let minimal = Config::from_toml(
+        r#"
+        [runtimes.default]
+        kind = "local"
+        model = { backend = "echo" }
+        [channels.local]
+        kind = "webhook"
+        runtime = "default"
+        callback_url = "http://127.0.0.1:8790/replies"
+        "#,
+    )
+    .unwrap();
+    assert_eq!(
+        format!("{:?}", documented.store),
+        format!("{:?}", minimal.store)
+    );
+    assert_eq!(
+        format!("{:?}", documented.server),
+        format!("{:?}", minimal.server)
+    );
+    assert_eq!(
+        format!("{:?}", documented.admin),
+        format!("{:?}", minimal.admin)
+    );
+    assert_eq!(
+        format!("{:?}", documented.log),
+        format!("{:?}", minimal.log)
+    );
+    assert_eq!(
+        format!("{:?}", documented.outbox),
+        format!("{:?}", minimal.outbox)
+    );
+    assert_eq!(
+        format!("{:?}", documented.submitter),
+        format!("{:?}", minimal.submitter)
+    );
+    assert_eq!(
+        format!("{:?}", documented.shutdown),
+        format!("{:?}", minimal.shutdown)
+    );
+    assert_eq!(
+        format!("{:?}", documented.runtimes),
+        format!("{:?}", minimal.runtimes)
+    );
+    assert_eq!(
+        format!("{:?}", documented.channels),
+        format!("{:?}", minimal.channels)
+    );
+    // The surfaces section restates the webhook surface's defaults.
+    for kind in switchboard::surface::SurfaceKind::ALL {
+        assert_eq!(documented.surface(kind), minimal.surface(kind), "{kind}");
+    }
+}

@@ -1,0 +1,721 @@
+//! The store conformance suite: what every backend must do, written once
+//! against the `Store` traits and run against each backend on a real
+//! database (a real SQLite file here; PostgreSQL joins with its backend).
+
+use std::sync::Arc;
+
+use switchboard::config::{StoreConfig, Synchronous};
+use switchboard::store::sqlite::OpenMode;
+use switchboard::store::{self, SharedStore};
+
+mod suite {
+    use switchboard::store::*;
+    use switchboard::surface::SurfaceKind;
+    use switchboard_channel::ChatKind;
+
+    pub fn inbound(account: &str, key: &str, chat: &str, thread: Option<&str>) -> NewInbound {
+        NewInbound {
+            account: account.into(),
+            update_key: key.into(),
+            chat_id: chat.into(),
+            chat_kind: ChatKind::Private,
+            thread_id: thread.map(Into::into),
+            surface: SurfaceKind::Webhook,
+            sender_id: Some("u".into()),
+            sender_name: None,
+            message_id: Some(format!("msg-{key}")),
+            payload: format!(r#"{{"type":"message","text":"{key}"}}"#),
+            disposition: Disposition::Pending,
+            reason: None,
+            submission_key: switchboard::keys::submission_key(account, key),
+            received_at: 1_000,
+        }
+    }
+
+    fn ids(outcome: JournalOutcome) -> (bool, i64, i64) {
+        match outcome {
+            JournalOutcome::Accepted {
+                inbound_id,
+                conversation_id,
+            } => (true, inbound_id, conversation_id),
+            JournalOutcome::Duplicate {
+                inbound_id,
+                conversation_id,
+            } => (false, inbound_id, conversation_id),
+        }
+    }
+
+    pub async fn journal_deduplicates_within_and_across_batches(store: SharedStore) {
+        let batch = vec![
+            inbound("webhook:a", "1", "c", None),
+            inbound("webhook:a", "1", "c", None),
+            inbound("webhook:b", "1", "c", None),
+        ];
+        let out: Vec<_> = store
+            .journal_insert(&batch)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(ids)
+            .collect();
+        assert!(out[0].0, "first is new");
+        assert_eq!(
+            out[1],
+            (false, out[0].1, out[0].2),
+            "same key in one batch is a duplicate of the first"
+        );
+        assert!(
+            out[2].0,
+            "the same update key under another account is a different update"
+        );
+        let again = store.journal_insert(&batch[..1]).await.unwrap();
+        assert_eq!(
+            ids(again[0]),
+            (false, out[0].1, out[0].2),
+            "a later batch sees the committed row"
+        );
+    }
+
+    pub async fn journal_resolves_conversations_by_chat_and_thread(store: SharedStore) {
+        let out: Vec<_> = store
+            .journal_insert(&[
+                inbound("webhook:a", "1", "c1", None),
+                inbound("webhook:a", "2", "c1", None),
+                inbound("webhook:a", "3", "c1", Some("t")),
+                inbound("webhook:a", "4", "c2", None),
+                inbound("webhook:b", "5", "c1", None),
+            ])
+            .await
+            .unwrap()
+            .into_iter()
+            .map(ids)
+            .collect();
+        assert_eq!(out[0].2, out[1].2, "same chat, same conversation");
+        assert_ne!(out[0].2, out[2].2, "a thread is its own conversation");
+        assert_ne!(out[0].2, out[3].2);
+        assert_ne!(
+            out[0].2, out[4].2,
+            "another account's chat is another conversation"
+        );
+    }
+
+    pub async fn journal_pending_in_order_and_admission_settles(store: SharedStore) {
+        let batch: Vec<_> = (0..10)
+            .map(|i| inbound("webhook:a", &i.to_string(), "c", None))
+            .collect();
+        store.journal_insert(&batch).await.unwrap();
+        let mut ignored = inbound("webhook:a", "ignored", "c", None);
+        ignored.disposition = Disposition::Ignored;
+        ignored.reason = Some("unsupported".into());
+        store.journal_insert(&[ignored]).await.unwrap();
+
+        let pending = store.journal_pending(4).await.unwrap();
+        let keys: Vec<_> = pending.iter().map(|r| r.update_key.as_str()).collect();
+        assert_eq!(
+            keys,
+            ["0", "1", "2", "3"],
+            "oldest first, bounded by the limit"
+        );
+        store
+            .journal_admit(
+                &pending
+                    .iter()
+                    .map(|r| Admitted {
+                        inbound_id: r.id,
+                        run_id: format!("r{}", r.id),
+                    })
+                    .collect::<Vec<_>>(),
+                2_000,
+            )
+            .await
+            .unwrap();
+        let next = store.journal_pending(100).await.unwrap();
+        assert_eq!(next.len(), 6, "admitted and ignored rows are not pending");
+        assert_eq!(next[0].update_key, "4");
+
+        let row = store.journal_get(pending[0].id).await.unwrap().unwrap();
+        assert_eq!(row.disposition, Disposition::Admitted);
+        assert_eq!(row.run_id.as_deref(), Some(format!("r{}", row.id).as_str()));
+        assert_eq!(row.settled_at, Some(2_000));
+
+        // A settled row does not change again.
+        assert!(
+            !store
+                .journal_settle(row.id, Disposition::Failed, "late", 3_000)
+                .await
+                .unwrap()
+        );
+        assert!(
+            store
+                .journal_settle(next[0].id, Disposition::Rejected, "no", 3_000)
+                .await
+                .unwrap()
+        );
+        let counts: std::collections::HashMap<_, _> =
+            store.journal_counts().await.unwrap().into_iter().collect();
+        assert_eq!(counts[&Disposition::Admitted], 4);
+        assert_eq!(counts[&Disposition::Ignored], 1);
+        assert_eq!(counts[&Disposition::Rejected], 1);
+        assert_eq!(counts[&Disposition::Pending], 5);
+    }
+
+    pub fn new_run(key: &str, conversation_id: i64) -> NewRun {
+        NewRun {
+            idempotency_key: key.into(),
+            conversation_id,
+            runtime: "default".into(),
+            account: "webhook:a".into(),
+            chat_id: "c".into(),
+            thread_id: None,
+            surface: SurfaceKind::Webhook,
+            reply_to: Some("m1".into()),
+            input: r#"{"text":"hi"}"#.into(),
+            priority: 0,
+            created_at: 1_000,
+        }
+    }
+
+    pub async fn runs_admit_is_idempotent(store: SharedStore) {
+        let first = store
+            .runs_admit(&[new_run("k1", 1), new_run("k2", 1), new_run("k1", 1)])
+            .await
+            .unwrap();
+        assert!(first[0].new && first[1].new);
+        assert_eq!(
+            first[2],
+            RunAdmission {
+                run_id: first[0].run_id,
+                new: false,
+                state: RunState::Queued
+            }
+        );
+        let again = store.runs_admit(&[new_run("k2", 1)]).await.unwrap();
+        assert_eq!(again[0].run_id, first[1].run_id);
+        assert!(!again[0].new);
+    }
+
+    fn finish(run_id: i64, key: &str, text: &str) -> RunFinish {
+        RunFinish {
+            run_id,
+            state: RunState::Completed,
+            answer: Some(text.into()),
+            reason: None,
+            replies: vec![NewReply {
+                item_key: key.into(),
+                kind: ItemKind::Answer,
+                text: text.into(),
+            }],
+            now: 5_000,
+        }
+    }
+
+    pub async fn runs_finish_writes_reply_items_once(store: SharedStore) {
+        let runs = store
+            .runs_admit(&[new_run("k1", 7), new_run("k2", 7)])
+            .await
+            .unwrap();
+        store.runs_start(&[runs[0].run_id], 2_000).await.unwrap();
+        let row = store.run_get(runs[0].run_id).await.unwrap().unwrap();
+        assert_eq!(row.state, RunState::Running);
+        assert_eq!(row.started_at, Some(2_000));
+
+        let done = store
+            .runs_finish(&[
+                finish(runs[0].run_id, "a1", "one"),
+                finish(runs[1].run_id, "a2", "two"),
+            ])
+            .await
+            .unwrap();
+        assert_eq!(done, [true, true]);
+        // Finishing again changes nothing and writes no second item.
+        assert_eq!(
+            store
+                .runs_finish(&[finish(runs[0].run_id, "a1-again", "x")])
+                .await
+                .unwrap(),
+            [false]
+        );
+        // A late start does not resurrect a finished run.
+        store.runs_start(&[runs[1].run_id], 9_000).await.unwrap();
+        assert_eq!(
+            store.run_get(runs[1].run_id).await.unwrap().unwrap().state,
+            RunState::Completed
+        );
+
+        let items = store
+            .outbox_list(&OutboxFilter {
+                conversation_id: Some(7),
+                limit: 10,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        assert_eq!(items.len(), 2);
+        let mut by_ordinal: Vec<_> = items
+            .iter()
+            .map(|i| (i.ordinal, i.item_key.as_str(), i.text.as_str()))
+            .collect();
+        by_ordinal.sort();
+        assert_eq!(by_ordinal, [(1, "a1", "one"), (2, "a2", "two")]);
+        let first = items.iter().find(|i| i.ordinal == 1).unwrap();
+        assert_eq!(
+            first.reply_to.as_deref(),
+            Some("m1"),
+            "the reply item is routed like its run"
+        );
+        assert_eq!(first.state, DispatchState::NotDispatched);
+        assert_eq!(first.run_id, Some(runs[0].run_id.to_string()));
+    }
+
+    pub async fn runs_unfinished_pages_in_id_order(store: SharedStore) {
+        let keys: Vec<String> = (0..7).map(|i| format!("k{i}")).collect();
+        let runs = store
+            .runs_admit(&keys.iter().map(|k| new_run(k, 1)).collect::<Vec<_>>())
+            .await
+            .unwrap();
+        store
+            .runs_finish(&[finish(runs[2].run_id, "x", "x")])
+            .await
+            .unwrap();
+        let page1 = store.runs_unfinished(0, 3).await.unwrap();
+        let page2 = store
+            .runs_unfinished(page1.last().unwrap().id, 3)
+            .await
+            .unwrap();
+        let page3 = store
+            .runs_unfinished(page2.last().unwrap().id, 3)
+            .await
+            .unwrap();
+        let all: Vec<i64> = page1
+            .iter()
+            .chain(&page2)
+            .chain(&page3)
+            .map(|r| r.id)
+            .collect();
+        let expected: Vec<i64> = runs
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != 2)
+            .map(|(_, r)| r.run_id)
+            .collect();
+        assert_eq!(all, expected);
+    }
+
+    pub fn item(key: &str, conversation_id: i64) -> NewOutboxItem {
+        NewOutboxItem {
+            item_key: key.into(),
+            conversation_id,
+            account: "webhook:a".into(),
+            chat_id: format!("chat-{conversation_id}"),
+            thread_id: None,
+            surface: SurfaceKind::Webhook,
+            reply_to: None,
+            run_id: None,
+            kind: ItemKind::Notice,
+            text: key.into(),
+            created_at: 1_000,
+        }
+    }
+
+    fn claim(now: i64, limit: usize) -> Claim {
+        Claim {
+            owner: "test".into(),
+            now,
+            lease_until: now + 60_000,
+            limit,
+        }
+    }
+
+    fn ack(item: &OutboxItem, now: i64) -> Settlement {
+        Settlement {
+            item_id: item.id,
+            fencing_token: item.fencing_token,
+            outcome: Outcome::Acknowledged {
+                receipt: r#"{"message_ids":["m"]}"#.into(),
+            },
+            now,
+        }
+    }
+
+    pub async fn outbox_ordinals_and_duplicate_keys(store: SharedStore) {
+        let added = store
+            .outbox_enqueue(&[item("a", 1), item("b", 1), item("a", 1), item("c", 2)])
+            .await
+            .unwrap();
+        assert_eq!(
+            added,
+            [true, true, false, true],
+            "an item key is added once"
+        );
+        let items = store
+            .outbox_list(&OutboxFilter {
+                limit: 10,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let mut got: Vec<_> = items
+            .iter()
+            .map(|i| (i.conversation_id, i.ordinal, i.item_key.clone()))
+            .collect();
+        got.sort();
+        assert_eq!(
+            got,
+            [(1, 1, "a".into()), (1, 2, "b".into()), (2, 1, "c".into())]
+        );
+    }
+
+    pub async fn outbox_claims_only_lane_heads(store: SharedStore) {
+        store
+            .outbox_enqueue(&[
+                item("a1", 1),
+                item("a2", 1),
+                item("a3", 1),
+                item("b1", 2),
+                item("b2", 2),
+            ])
+            .await
+            .unwrap();
+        let first = store.outbox_claim(&claim(2_000, 100)).await.unwrap();
+        let mut keys: Vec<_> = first.iter().map(|i| i.item_key.as_str()).collect();
+        keys.sort();
+        assert_eq!(keys, ["a1", "b1"], "one item per conversation: the head");
+        assert!(
+            first
+                .iter()
+                .all(|i| i.state == DispatchState::PossiblyDispatched && i.fencing_token == 1)
+        );
+        assert!(
+            first
+                .iter()
+                .all(|i| i.dispatched_at == Some(2_000) && i.lease_expires_at == Some(62_000))
+        );
+        // While the heads are in flight, nothing else is claimable.
+        assert!(
+            store
+                .outbox_claim(&claim(2_001, 100))
+                .await
+                .unwrap()
+                .is_empty()
+        );
+
+        let a1 = first.iter().find(|i| i.item_key == "a1").unwrap();
+        assert_eq!(
+            store.outbox_settle(&[ack(a1, 2_100)]).await.unwrap(),
+            [true]
+        );
+        let next = store.outbox_claim(&claim(2_200, 100)).await.unwrap();
+        assert_eq!(
+            next.iter().map(|i| i.item_key.as_str()).collect::<Vec<_>>(),
+            ["a2"],
+            "ack releases the lane to the next ordinal"
+        );
+
+        let acked = store.outbox_get(a1.id).await.unwrap().unwrap();
+        assert_eq!(acked.state, DispatchState::Acknowledged);
+        assert_eq!(acked.settled_at, Some(2_100));
+        assert!(acked.receipt.unwrap().contains("message_ids"));
+        assert_eq!(acked.lease_owner, None);
+    }
+
+    pub async fn outbox_claim_respects_limit_and_due_time(store: SharedStore) {
+        let items: Vec<_> = (0..5).map(|c| item(&format!("x{c}"), c)).collect();
+        store.outbox_enqueue(&items).await.unwrap();
+        assert_eq!(store.outbox_claim(&claim(2_000, 2)).await.unwrap().len(), 2);
+        assert_eq!(
+            store.outbox_claim(&claim(2_000, 10)).await.unwrap().len(),
+            3
+        );
+        // Items created after `now` are not due yet.
+        store
+            .outbox_enqueue(&[NewOutboxItem {
+                created_at: 10_000,
+                ..item("late", 99)
+            }])
+            .await
+            .unwrap();
+        assert!(
+            store
+                .outbox_claim(&claim(9_999, 10))
+                .await
+                .unwrap()
+                .is_empty()
+        );
+        assert_eq!(
+            store.outbox_claim(&claim(10_000, 10)).await.unwrap().len(),
+            1
+        );
+    }
+
+    pub async fn outbox_retry_keeps_the_lane_and_waits(store: SharedStore) {
+        store
+            .outbox_enqueue(&[item("a1", 1), item("a2", 1)])
+            .await
+            .unwrap();
+        let a1 = store
+            .outbox_claim(&claim(2_000, 10))
+            .await
+            .unwrap()
+            .remove(0);
+        let retry = |counts| Settlement {
+            item_id: a1.id,
+            fencing_token: a1.fencing_token,
+            outcome: Outcome::Retry {
+                next_attempt_at: 5_000,
+                counts,
+                reason: "busy".into(),
+            },
+            now: 2_100,
+        };
+        assert_eq!(store.outbox_settle(&[retry(true)]).await.unwrap(), [true]);
+        assert!(
+            store
+                .outbox_claim(&claim(4_999, 10))
+                .await
+                .unwrap()
+                .is_empty(),
+            "a2 must wait behind a1"
+        );
+        let again = store.outbox_claim(&claim(5_000, 10)).await.unwrap();
+        assert_eq!(again.len(), 1);
+        assert_eq!(again[0].item_key, "a1");
+        assert_eq!(again[0].attempts, 1, "NotSent counts an attempt");
+        assert_eq!(again[0].fencing_token, 2, "every claim takes a new token");
+        assert_eq!(again[0].reason.as_deref(), Some("busy"));
+        // RetryAfter does not count.
+        let retry_after = Settlement {
+            item_id: again[0].id,
+            fencing_token: again[0].fencing_token,
+            outcome: Outcome::Retry {
+                next_attempt_at: 6_000,
+                counts: false,
+                reason: "429".into(),
+            },
+            now: 5_100,
+        };
+        store.outbox_settle(&[retry_after]).await.unwrap();
+        assert_eq!(store.outbox_get(a1.id).await.unwrap().unwrap().attempts, 1);
+    }
+
+    pub async fn outbox_fencing_rejects_stale_writes(store: SharedStore) {
+        store.outbox_enqueue(&[item("a1", 1)]).await.unwrap();
+        let stale = store
+            .outbox_claim(&claim(2_000, 10))
+            .await
+            .unwrap()
+            .remove(0);
+        // The lease runs out: reconciliation resends under a new token.
+        assert!(store.outbox_expired(61_999, 10).await.unwrap().is_empty());
+        let expired = store.outbox_expired(62_000, 10).await.unwrap();
+        assert_eq!(expired.len(), 1);
+        let resend = Reconcile {
+            item_id: stale.id,
+            fencing_token: stale.fencing_token,
+            action: ReconcileAction::Resend {
+                possible_duplicate: false,
+            },
+            now: 62_000,
+        };
+        assert_eq!(
+            store
+                .outbox_reconcile(std::slice::from_ref(&resend))
+                .await
+                .unwrap(),
+            [true]
+        );
+        assert_eq!(
+            store.outbox_reconcile(&[resend]).await.unwrap(),
+            [false],
+            "a reconcile is fenced too"
+        );
+        let fresh = store
+            .outbox_claim(&claim(62_001, 10))
+            .await
+            .unwrap()
+            .remove(0);
+        assert!(fresh.fencing_token > stale.fencing_token);
+
+        // The stale worker's late outcome changes nothing.
+        let late = Settlement {
+            item_id: stale.id,
+            fencing_token: stale.fencing_token,
+            outcome: Outcome::Failed {
+                reason: "late".into(),
+            },
+            now: 62_002,
+        };
+        assert_eq!(store.outbox_settle(&[late]).await.unwrap(), [false]);
+        assert_eq!(
+            store.outbox_get(stale.id).await.unwrap().unwrap().state,
+            DispatchState::PossiblyDispatched
+        );
+        assert_eq!(
+            store.outbox_settle(&[ack(&fresh, 62_003)]).await.unwrap(),
+            [true]
+        );
+        assert_eq!(
+            store.outbox_settle(&[ack(&stale, 62_004)]).await.unwrap(),
+            [false],
+            "no second ack"
+        );
+    }
+
+    pub async fn outbox_failed_held_and_ambiguous(store: SharedStore) {
+        store
+            .outbox_enqueue(&[item("a1", 1), item("a2", 1), item("a3", 1), item("b1", 2)])
+            .await
+            .unwrap();
+        let heads = store.outbox_claim(&claim(2_000, 10)).await.unwrap();
+        let a1 = heads.iter().find(|i| i.item_key == "a1").unwrap();
+        let b1 = heads.iter().find(|i| i.item_key == "b1").unwrap();
+        let failed = Settlement {
+            item_id: a1.id,
+            fencing_token: a1.fencing_token,
+            outcome: Outcome::Failed {
+                reason: "chat gone".into(),
+            },
+            now: 2_100,
+        };
+        let ambiguous = Settlement {
+            item_id: b1.id,
+            fencing_token: b1.fencing_token,
+            outcome: Outcome::Ambiguous {
+                reason: "timeout".into(),
+                reconcile_at: 9_000,
+            },
+            now: 2_100,
+        };
+        assert_eq!(
+            store.outbox_settle(&[failed, ambiguous]).await.unwrap(),
+            [true, true]
+        );
+        let row = store.outbox_get(a1.id).await.unwrap().unwrap();
+        assert_eq!(
+            (row.state, row.reason.as_deref()),
+            (DispatchState::Failed, Some("chat gone"))
+        );
+        // A failed item releases its lane; an ambiguous one keeps it blocked.
+        let next = store.outbox_claim(&claim(2_200, 10)).await.unwrap();
+        assert_eq!(
+            next.iter().map(|i| i.item_key.as_str()).collect::<Vec<_>>(),
+            ["a2"]
+        );
+        assert!(
+            store
+                .outbox_expired(8_999, 10)
+                .await
+                .unwrap()
+                .iter()
+                .all(|i| i.item_key != "b1")
+        );
+        let b1_expired = store.outbox_expired(9_000, 10).await.unwrap();
+        let b1_now = b1_expired.iter().find(|i| i.item_key == "b1").unwrap();
+        let hold = Reconcile {
+            item_id: b1_now.id,
+            fencing_token: b1_now.fencing_token,
+            action: ReconcileAction::Hold,
+            now: 9_000,
+        };
+        assert_eq!(store.outbox_reconcile(&[hold]).await.unwrap(), [true]);
+        let held = store
+            .outbox_list(&OutboxFilter {
+                state: Some(DispatchState::Held),
+                limit: 10,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        assert_eq!(held.len(), 1);
+        assert_eq!(held[0].item_key, "b1");
+    }
+
+    pub async fn outbox_expire_all_leases_frees_orphans(store: SharedStore) {
+        store
+            .outbox_enqueue(&[item("a1", 1), item("b1", 2)])
+            .await
+            .unwrap();
+        store.outbox_claim(&claim(2_000, 10)).await.unwrap();
+        assert!(store.outbox_expired(3_000, 10).await.unwrap().is_empty());
+        assert_eq!(store.outbox_expire_all_leases(3_000).await.unwrap(), 2);
+        assert_eq!(store.outbox_expired(3_000, 10).await.unwrap().len(), 2);
+        let counts: std::collections::HashMap<_, _> =
+            store.outbox_counts().await.unwrap().into_iter().collect();
+        assert_eq!(counts[&DispatchState::PossiblyDispatched], 2);
+    }
+
+    pub async fn outbox_backlog_in_one_lane_does_not_hide_other_lanes(store: SharedStore) {
+        let mut items: Vec<_> = (0..2_000).map(|i| item(&format!("big-{i}"), 1)).collect();
+        items.push(item("small", 2));
+        store.outbox_enqueue(&items).await.unwrap();
+        let heads = store.outbox_claim(&claim(2_000, 2)).await.unwrap();
+        let mut keys: Vec<_> = heads.iter().map(|i| i.item_key.as_str()).collect();
+        keys.sort();
+        assert_eq!(keys, ["big-0", "small"]);
+    }
+}
+
+/// Run one suite function against a fresh store of each backend.
+macro_rules! conformance {
+    ($backend:ident, $open:ident; $($test:ident),+ $(,)?) => {
+        mod $backend {
+            $(
+                #[tokio::test]
+                async fn $test() {
+                    let (store, _guard) = super::$open().await;
+                    super::suite::$test(store.clone()).await;
+                    store.close().await;
+                }
+            )+
+        }
+    };
+}
+
+async fn open_sqlite() -> (SharedStore, Arc<tempfile::TempDir>) {
+    let dir = Arc::new(tempfile::tempdir().unwrap());
+    let config = StoreConfig {
+        url: format!("sqlite://{}", dir.path().join("store.db").display()),
+        synchronous: Synchronous::Full,
+        batch_size: 512,
+    };
+    let store = store::open(&config, OpenMode::Daemon).await.unwrap();
+    (store, dir)
+}
+
+conformance!(sqlite, open_sqlite;
+    journal_deduplicates_within_and_across_batches,
+    journal_resolves_conversations_by_chat_and_thread,
+    journal_pending_in_order_and_admission_settles,
+    runs_admit_is_idempotent,
+    runs_finish_writes_reply_items_once,
+    runs_unfinished_pages_in_id_order,
+    outbox_ordinals_and_duplicate_keys,
+    outbox_claims_only_lane_heads,
+    outbox_claim_respects_limit_and_due_time,
+    outbox_retry_keeps_the_lane_and_waits,
+    outbox_fencing_rejects_stale_writes,
+    outbox_failed_held_and_ambiguous,
+    outbox_expire_all_leases_frees_orphans,
+    outbox_backlog_in_one_lane_does_not_hide_other_lanes,
+);
+
+#[tokio::test]
+async fn sqlite_refuses_a_second_daemon_on_the_same_file() {
+    let (first, dir) = open_sqlite().await;
+    let config = StoreConfig {
+        url: format!("sqlite://{}", dir.path().join("store.db").display()),
+        synchronous: Synchronous::Full,
+        batch_size: 512,
+    };
+    let err = store::open(&config, OpenMode::Daemon)
+        .await
+        .err()
+        .expect("a second daemon must be refused");
+    assert!(
+        err.to_string().contains("another switchboard daemon"),
+        "{err}"
+    );
+    // Operator tools open it beside the daemon.
+    let tool = store::open(&config, OpenMode::Tool).await.unwrap();
+    tool.close().await;
+    first.close().await;
+}
