@@ -171,36 +171,21 @@ async fn dispatch(command: Command) -> ExitCode {
                     limit,
                 },
         } => {
-            let disposition = match disposition.as_deref().map(|d| (d, Disposition::parse(d))) {
-                None => None,
-                Some((_, Some(d))) => Some(d),
-                Some((d, None)) => {
-                    eprintln!(
-                        "switchboard: unknown disposition {d:?}; use one of: {}",
-                        Disposition::ALL
-                            .iter()
-                            .map(|d| d.as_str())
-                            .collect::<Vec<_>>()
-                            .join(", ")
-                    );
-                    return ExitCode::from(2);
-                }
-            };
-            let config = match load(&config) {
-                Ok(c) => c,
+            let disposition = match parse_choice(
+                disposition,
+                "disposition",
+                Disposition::parse,
+                Disposition::ALL,
+                Disposition::as_str,
+            ) {
+                Ok(d) => d,
                 Err(code) => return code,
             };
-            match store::open(&config.store, OpenMode::Tool).await {
-                Ok(store) => match switchboard::cli::inbound_list(&store, disposition, limit).await
-                {
-                    Ok(text) => {
-                        print!("{text}");
-                        ExitCode::SUCCESS
-                    }
-                    Err(e) => fail(e),
-                },
-                Err(e) => fail(e),
-            }
+            let store = match open_store(&config).await {
+                Ok(s) => s,
+                Err(code) => return code,
+            };
+            print_or_fail(switchboard::cli::inbound_list(&store, disposition, limit).await)
         }
         Command::Outbox {
             command:
@@ -211,38 +196,59 @@ async fn dispatch(command: Command) -> ExitCode {
                     limit,
                 },
         } => {
-            let state = match state.as_deref().map(|s| (s, DispatchState::parse(s))) {
-                None => None,
-                Some((_, Some(s))) => Some(s),
-                Some((s, None)) => {
-                    eprintln!(
-                        "switchboard: unknown dispatch state {s:?}; use one of: {}",
-                        DispatchState::ALL
-                            .iter()
-                            .map(|s| s.as_str())
-                            .collect::<Vec<_>>()
-                            .join(", ")
-                    );
-                    return ExitCode::from(2);
-                }
-            };
-            let config = match load(&config) {
-                Ok(c) => c,
+            let state = match parse_choice(
+                state,
+                "dispatch state",
+                DispatchState::parse,
+                DispatchState::ALL,
+                DispatchState::as_str,
+            ) {
+                Ok(s) => s,
                 Err(code) => return code,
             };
-            match store::open(&config.store, OpenMode::Tool).await {
-                Ok(store) => {
-                    match switchboard::cli::outbox_list(&store, state, conversation, limit).await {
-                        Ok(text) => {
-                            print!("{text}");
-                            ExitCode::SUCCESS
-                        }
-                        Err(e) => fail(e),
-                    }
-                }
-                Err(e) => fail(e),
-            }
+            let store = match open_store(&config).await {
+                Ok(s) => s,
+                Err(code) => return code,
+            };
+            print_or_fail(switchboard::cli::outbox_list(&store, state, conversation, limit).await)
         }
+    }
+}
+
+/// Parse an optional command-line value into one of a closed set.
+fn parse_choice<T: Copy>(
+    value: Option<String>,
+    what: &str,
+    parse: fn(&str) -> Option<T>,
+    all: &[T],
+    name: fn(T) -> &'static str,
+) -> Result<Option<T>, ExitCode> {
+    let Some(value) = value else { return Ok(None) };
+    parse(&value).map(Some).ok_or_else(|| {
+        let names: Vec<&str> = all.iter().map(|v| name(*v)).collect();
+        eprintln!(
+            "switchboard: unknown {what} {value:?}; use one of: {}",
+            names.join(", ")
+        );
+        ExitCode::from(2)
+    })
+}
+
+/// Open the store a config names, as an operator tool (beside a daemon).
+async fn open_store(args: &ConfigArg) -> Result<store::SharedStore, ExitCode> {
+    let config = load(args)?;
+    store::open(&config.store, OpenMode::Tool)
+        .await
+        .map_err(fail)
+}
+
+fn print_or_fail(result: Result<String, store::StoreError>) -> ExitCode {
+    match result {
+        Ok(text) => {
+            print!("{text}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => fail(e),
     }
 }
 

@@ -148,6 +148,19 @@ async fn promote_head(
     Ok(())
 }
 
+/// After a write that may have moved an item out of its lane's way (it
+/// returns the item's conversation when it applied), promote the lane's next
+/// item. Returns whether the write applied.
+async fn release_lane(
+    tx: &mut Transaction<'static, Sqlite>,
+    conversation: Option<i64>,
+) -> StoreResult<bool> {
+    if let Some(conversation_id) = conversation {
+        promote_head(tx, conversation_id).await?;
+    }
+    Ok(conversation.is_some())
+}
+
 #[async_trait]
 impl OutboxStore for SqliteStore {
     async fn outbox_enqueue(&self, items: &[NewOutboxItem]) -> StoreResult<Vec<bool>> {
@@ -191,10 +204,7 @@ impl OutboxStore for SqliteStore {
                         .bind(s.fencing_token)
                         .fetch_optional(&mut *tx)
                         .await?;
-                    if let Some(conversation_id) = conversation {
-                        promote_head(&mut tx, conversation_id).await?;
-                    }
-                    conversation.is_some()
+                    release_lane(&mut tx, conversation).await?
                 }
                 Outcome::Retry {
                     next_attempt_at,
@@ -220,10 +230,7 @@ impl OutboxStore for SqliteStore {
                         .bind(s.fencing_token)
                         .fetch_optional(&mut *tx)
                         .await?;
-                    if let Some(conversation_id) = conversation {
-                        promote_head(&mut tx, conversation_id).await?;
-                    }
-                    conversation.is_some()
+                    release_lane(&mut tx, conversation).await?
                 }
                 Outcome::Ambiguous {
                     reason,
@@ -278,10 +285,7 @@ impl OutboxStore for SqliteStore {
                         .bind(r.fencing_token)
                         .fetch_optional(&mut *tx)
                         .await?;
-                    if let Some(conversation_id) = conversation {
-                        promote_head(&mut tx, conversation_id).await?;
-                    }
-                    conversation.is_some()
+                    release_lane(&mut tx, conversation).await?
                 }
             };
             out.push(applied);
