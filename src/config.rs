@@ -14,7 +14,9 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::surface::{Delivery, InputPolicy, OnAmbiguousSend, SurfaceKind, SurfaceSettings};
+use crate::surface::{
+    DEFAULT_MAX_QUEUED_INPUTS, Delivery, InputPolicy, OnAmbiguousSend, SurfaceKind, SurfaceSettings,
+};
 
 /// The whole configuration.
 #[derive(Debug, Clone, Deserialize)]
@@ -51,6 +53,9 @@ pub struct Config {
     /// Stopping.
     #[serde(default)]
     pub shutdown: ShutdownConfig,
+    /// Texts Switchboard itself sends to users.
+    #[serde(default)]
+    pub messages: Messages,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -194,10 +199,81 @@ pub struct LocalRuntimeConfig {
     /// How many runs (across all conversations) may execute at once.
     #[serde(default = "default_max_concurrent_runs")]
     pub max_concurrent_runs: usize,
+    /// A system prompt given to every model call.
+    #[serde(default)]
+    pub system_prompt: Option<String>,
+    /// Seconds a run may take in all; past that it fails and the user gets
+    /// `messages.run_timeout`.
+    #[serde(default = "default_run_timeout_secs")]
+    pub run_timeout_secs: u64,
+    /// What a start does with runs a dead process left running: `rerun`
+    /// (default; model calls have no external effects) or `interrupt`.
+    #[serde(default)]
+    pub on_restart: OnRestart,
+    /// What each model call sees of the conversation.
+    #[serde(default)]
+    pub history: HistoryConfig,
 }
 
 fn default_max_concurrent_runs() -> usize {
     256
+}
+
+fn default_run_timeout_secs() -> u64 {
+    300
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum OnRestart {
+    #[default]
+    Rerun,
+    Interrupt,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HistoryConfig {
+    /// Earlier turns (one run each) a model call sees at most.
+    #[serde(default = "default_history_turns")]
+    pub max_turns: usize,
+    /// Approximate token budget for those turns (4 characters a token);
+    /// the oldest turns are left out first.
+    #[serde(default = "default_history_tokens")]
+    pub max_tokens: usize,
+    /// How an interrupted turn reaches the model: `assistant-marked`
+    /// (default: the partial answer plus a marker), `system-note` (the
+    /// partial answer, then a system message saying it was cut off), or
+    /// `omit` (only the user's words).
+    #[serde(default)]
+    pub interrupted_assistant: InterruptedAssistant,
+}
+
+impl Default for HistoryConfig {
+    fn default() -> Self {
+        HistoryConfig {
+            max_turns: default_history_turns(),
+            max_tokens: default_history_tokens(),
+            interrupted_assistant: InterruptedAssistant::AssistantMarked,
+        }
+    }
+}
+
+fn default_history_turns() -> usize {
+    20
+}
+
+fn default_history_tokens() -> usize {
+    8000
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum InterruptedAssistant {
+    #[default]
+    AssistantMarked,
+    SystemNote,
+    Omit,
 }
 
 /// A model backend of the local runtime.
@@ -206,6 +282,10 @@ fn default_max_concurrent_runs() -> usize {
 pub enum ModelConfig {
     /// Deterministic: answers `echo: <text>`. The demo and test backend.
     Echo(EchoConfig),
+    /// Any OpenAI-compatible streaming chat-completions server.
+    Openai(OpenAiConfig),
+    /// A local program: JSON request on stdin, the answer streamed on stdout.
+    Command(CommandConfig),
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -215,6 +295,154 @@ pub struct EchoConfig {
     /// interruption can be seen. 0 answers at once.
     #[serde(default)]
     pub token_delay_ms: u64,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OpenAiConfig {
+    /// The API base, up to and including `/v1` (OpenAI
+    /// `https://api.openai.com/v1`, Ollama `http://127.0.0.1:11434/v1`,
+    /// llama.cpp `http://127.0.0.1:8080/v1`).
+    pub base_url: String,
+    /// The model name the server knows.
+    pub model: String,
+    /// API key (prefer `api_key_file` or the environment).
+    #[serde(default)]
+    pub api_key: Option<String>,
+    /// A file holding the API key.
+    #[serde(default)]
+    pub api_key_file: Option<PathBuf>,
+    /// Seconds to wait for the response to start.
+    #[serde(default = "default_request_timeout_secs")]
+    pub request_timeout_secs: u64,
+    /// Seconds to wait between two pieces of a streaming response.
+    #[serde(default = "default_idle_timeout_secs")]
+    pub idle_timeout_secs: u64,
+    /// Retries after 429, 5xx or a broken stream, with exponential backoff.
+    #[serde(default = "default_model_retries")]
+    pub max_retries: u32,
+    /// First retry delay in milliseconds (doubles per retry; a Retry-After
+    /// header wins).
+    #[serde(default = "default_retry_base_ms")]
+    pub retry_base_ms: u64,
+    /// Sampling temperature, when set.
+    #[serde(default)]
+    pub temperature: Option<f64>,
+    /// Largest answer in tokens, when set.
+    #[serde(default)]
+    pub max_tokens: Option<u32>,
+}
+
+fn default_request_timeout_secs() -> u64 {
+    60
+}
+fn default_idle_timeout_secs() -> u64 {
+    60
+}
+fn default_model_retries() -> u32 {
+    3
+}
+fn default_retry_base_ms() -> u64 {
+    500
+}
+
+impl OpenAiConfig {
+    pub fn resolve_api_key(&self) -> Result<Option<String>, String> {
+        match (&self.api_key, &self.api_key_file) {
+            (Some(k), _) => Ok(Some(k.clone())),
+            (None, Some(path)) => read_secret_file(path).map(Some),
+            (None, None) => Ok(None),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CommandConfig {
+    /// The program to run for every run.
+    pub program: PathBuf,
+    /// Its arguments.
+    #[serde(default)]
+    pub args: Vec<String>,
+    /// Seconds a run of the program may take before it is killed.
+    #[serde(default = "default_command_timeout_secs")]
+    pub timeout_secs: u64,
+}
+
+fn default_command_timeout_secs() -> u64 {
+    120
+}
+
+/// Texts Switchboard itself sends to users.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Messages {
+    /// When a run fails.
+    #[serde(default = "default_msg_run_failed")]
+    pub run_failed: String,
+    /// When a run takes longer than its runtime's `run_timeout_secs`.
+    #[serde(default = "default_msg_run_timeout")]
+    pub run_timeout: String,
+    /// When the runtime stays unreachable longer than
+    /// `submitter.unreachable_notice_secs` (the message is still answered
+    /// once it is reachable again).
+    #[serde(default = "default_msg_runtime_unreachable")]
+    pub runtime_unreachable: String,
+    /// When a conversation already has `max_queued_inputs` waiting.
+    #[serde(default = "default_msg_queue_full")]
+    pub queue_full: String,
+    /// Appended to the partial answer of an interrupted run.
+    #[serde(default = "default_msg_interrupted_marker")]
+    pub interrupted_marker: String,
+    /// The confirmation of `/stop`.
+    #[serde(default = "default_msg_stopped")]
+    pub stopped: String,
+    /// The confirmation of `/new`.
+    #[serde(default = "default_msg_new_conversation")]
+    pub new_conversation: String,
+    /// The answer to `/help`.
+    #[serde(default = "default_msg_help")]
+    pub help: String,
+}
+
+impl Default for Messages {
+    fn default() -> Self {
+        Messages {
+            run_failed: default_msg_run_failed(),
+            run_timeout: default_msg_run_timeout(),
+            runtime_unreachable: default_msg_runtime_unreachable(),
+            queue_full: default_msg_queue_full(),
+            interrupted_marker: default_msg_interrupted_marker(),
+            stopped: default_msg_stopped(),
+            new_conversation: default_msg_new_conversation(),
+            help: default_msg_help(),
+        }
+    }
+}
+
+fn default_msg_run_failed() -> String {
+    "Sorry, something went wrong and I could not answer that.".into()
+}
+fn default_msg_run_timeout() -> String {
+    "Sorry, that took too long and I gave up on it.".into()
+}
+fn default_msg_runtime_unreachable() -> String {
+    "I can't reach my runtime right now. I'll answer as soon as I can.".into()
+}
+fn default_msg_queue_full() -> String {
+    "Too many of your messages are waiting for an answer; this one was not accepted. Please wait and send it again.".into()
+}
+fn default_msg_interrupted_marker() -> String {
+    "[interrupted]".into()
+}
+fn default_msg_stopped() -> String {
+    "Stopped.".into()
+}
+fn default_msg_new_conversation() -> String {
+    "Started a new conversation.".into()
+}
+fn default_msg_help() -> String {
+    "Commands:\n/stop - stop the current answer and drop the messages waiting for one\n/new - start a new conversation\n/help - this list".into()
 }
 
 /// One channel account.
@@ -231,6 +459,23 @@ impl ChannelConfig {
             ChannelConfig::Webhook(c) => &c.runtime,
         }
     }
+
+    pub fn overrides(&self) -> Overrides<'_> {
+        match self {
+            ChannelConfig::Webhook(c) => Overrides {
+                surfaces: &c.surfaces,
+                chats: &c.chats,
+            },
+        }
+    }
+}
+
+/// A channel account's surface overrides.
+pub struct Overrides<'a> {
+    /// By surface name.
+    pub surfaces: &'a BTreeMap<String, SurfaceSettings>,
+    /// By platform chat id.
+    pub chats: &'a BTreeMap<String, SurfaceSettings>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -250,6 +495,12 @@ pub struct WebhookChannelConfig {
     /// Seconds one callback POST may take before its outcome is ambiguous.
     #[serde(default = "default_callback_timeout_secs")]
     pub callback_timeout_secs: u64,
+    /// Surface settings for this account only, by surface name.
+    #[serde(default)]
+    pub surfaces: BTreeMap<String, SurfaceSettings>,
+    /// Surface settings for single chats of this account, by chat id.
+    #[serde(default)]
+    pub chats: BTreeMap<String, SurfaceSettings>,
 }
 
 fn default_callback_timeout_secs() -> u64 {
@@ -330,6 +581,10 @@ pub struct SubmitterConfig {
     /// Seconds between retries while the runtime refuses submissions.
     #[serde(default = "default_submit_retry_secs")]
     pub retry_secs: u64,
+    /// Seconds a message may wait on an unreachable runtime before its
+    /// sender is told (`messages.runtime_unreachable`).
+    #[serde(default = "default_unreachable_notice_secs")]
+    pub unreachable_notice_secs: u64,
 }
 
 impl Default for SubmitterConfig {
@@ -337,6 +592,7 @@ impl Default for SubmitterConfig {
         SubmitterConfig {
             batch_size: default_submit_batch(),
             retry_secs: default_submit_retry_secs(),
+            unreachable_notice_secs: default_unreachable_notice_secs(),
         }
     }
 }
@@ -346,6 +602,9 @@ fn default_submit_batch() -> usize {
 }
 fn default_submit_retry_secs() -> u64 {
     2
+}
+fn default_unreachable_notice_secs() -> u64 {
+    60
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -512,6 +771,59 @@ impl Config {
                             "must be at least 1".into(),
                         );
                     }
+                    if local.run_timeout_secs == 0 {
+                        problem(
+                            format!("runtimes.{name}.run_timeout_secs"),
+                            "must be at least 1".into(),
+                        );
+                    }
+                    if local.history.max_turns > 1000 {
+                        problem(
+                            format!("runtimes.{name}.history.max_turns"),
+                            "is above 1000; history is read per model call, keep it small".into(),
+                        );
+                    }
+                    match &local.model {
+                        ModelConfig::Echo(_) => {}
+                        ModelConfig::Openai(o) => {
+                            match reqwest::Url::parse(&o.base_url) {
+                                Ok(u) if u.scheme() == "http" || u.scheme() == "https" => {}
+                                _ => problem(
+                                    format!("runtimes.{name}.model.base_url"),
+                                    format!(
+                                        "{:?} is not an http(s) URL; use e.g. \"http://127.0.0.1:11434/v1\"",
+                                        o.base_url
+                                    ),
+                                ),
+                            }
+                            if o.model.is_empty() {
+                                problem(
+                                    format!("runtimes.{name}.model.model"),
+                                    "is empty; name the model the server serves".into(),
+                                );
+                            }
+                            if o.api_key.is_some() && o.api_key_file.is_some() {
+                                problem(
+                                    format!("runtimes.{name}.model.api_key"),
+                                    "set either api_key or api_key_file, not both".into(),
+                                );
+                            }
+                        }
+                        ModelConfig::Command(c) => {
+                            if c.program.as_os_str().is_empty() {
+                                problem(
+                                    format!("runtimes.{name}.model.program"),
+                                    "is empty; name the program to run".into(),
+                                );
+                            }
+                            if c.timeout_secs == 0 {
+                                problem(
+                                    format!("runtimes.{name}.model.timeout_secs"),
+                                    "must be at least 1".into(),
+                                );
+                            }
+                        }
+                    }
                 }
             }
         }
@@ -544,6 +856,21 @@ impl Config {
                         }
                     ),
                 );
+            }
+            for surface in channel.overrides().surfaces.keys() {
+                if SurfaceKind::parse(surface).is_none() {
+                    problem(
+                        format!("channels.{name}.surfaces.{surface}"),
+                        format!(
+                            "is not a surface; use one of: {}",
+                            SurfaceKind::ALL
+                                .iter()
+                                .map(|s| s.as_str())
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        ),
+                    );
+                }
             }
             match channel {
                 ChannelConfig::Webhook(w) => {
@@ -613,22 +940,35 @@ impl Config {
         problems
     }
 
-    /// The settings of a surface: built-in defaults with this file's values
-    /// on top.
+    /// The settings of a surface: built-in defaults, then `[surfaces.NAME]`.
     pub fn surface(&self, kind: SurfaceKind) -> ResolvedSurface {
-        let defaults = kind.defaults();
-        let configured = self.surfaces.get(kind.as_str());
-        ResolvedSurface {
-            input_policy: configured
-                .and_then(|s| s.input_policy)
-                .unwrap_or(defaults.input_policy),
-            delivery: configured
-                .and_then(|s| s.delivery)
-                .unwrap_or(defaults.delivery),
-            on_ambiguous_send: configured
-                .and_then(|s| s.on_ambiguous_send)
-                .unwrap_or(defaults.on_ambiguous_send),
+        let configured = self
+            .surfaces
+            .get(kind.as_str())
+            .cloned()
+            .unwrap_or_default();
+        ResolvedSurface::resolve(kind, &configured)
+    }
+
+    /// The settings for one chat: built-in defaults, then `[surfaces.NAME]`,
+    /// then the account's `[channels.ACCOUNT.surfaces.NAME]`, then its
+    /// `[channels.ACCOUNT.chats."CHAT"]`.
+    pub fn surface_for(&self, account: &str, kind: SurfaceKind, chat_id: &str) -> ResolvedSurface {
+        let mut settings = self
+            .surfaces
+            .get(kind.as_str())
+            .cloned()
+            .unwrap_or_default();
+        if let Some(channel) = self.channels.get(account) {
+            let overrides = channel.overrides();
+            if let Some(s) = overrides.surfaces.get(kind.as_str()) {
+                settings = settings.overlay(s);
+            }
+            if let Some(s) = overrides.chats.get(chat_id) {
+                settings = settings.overlay(s);
+            }
         }
+        ResolvedSurface::resolve(kind, &settings)
     }
 }
 
@@ -638,6 +978,39 @@ pub struct ResolvedSurface {
     pub input_policy: InputPolicy,
     pub delivery: Delivery,
     pub on_ambiguous_send: OnAmbiguousSend,
+    pub coalesce_pending: bool,
+    pub max_queued_inputs: usize,
+    pub soft_interrupt: bool,
+}
+
+impl ResolvedSurface {
+    fn resolve(kind: SurfaceKind, settings: &SurfaceSettings) -> ResolvedSurface {
+        let defaults = kind.defaults();
+        ResolvedSurface {
+            input_policy: settings.input_policy.unwrap_or(defaults.input_policy),
+            delivery: settings.delivery.unwrap_or(defaults.delivery),
+            on_ambiguous_send: settings
+                .on_ambiguous_send
+                .unwrap_or(defaults.on_ambiguous_send),
+            coalesce_pending: settings.coalesce_pending.unwrap_or(false),
+            max_queued_inputs: settings
+                .max_queued_inputs
+                .unwrap_or(DEFAULT_MAX_QUEUED_INPUTS),
+            soft_interrupt: settings.soft_interrupt.unwrap_or(false),
+        }
+    }
+
+    /// The policy an input gets: the caller's when given, else this
+    /// surface's, with `auto` answered by the surface's delivery: did anyone
+    /// see the partial answer? On a streaming surface they did (`interrupt`);
+    /// otherwise not (`supersede`).
+    pub fn policy_for(&self, requested: Option<InputPolicy>) -> InputPolicy {
+        match (requested.unwrap_or(self.input_policy), self.delivery) {
+            (InputPolicy::Auto, Delivery::Streaming) => InputPolicy::Interrupt,
+            (InputPolicy::Auto, Delivery::TerminalOnly) => InputPolicy::Supersede,
+            (p, _) => p,
+        }
+    }
 }
 
 /// Where the store lives.

@@ -31,7 +31,7 @@ use crate::observe::{Observer, SharedObserver};
 use crate::outbox::dispatcher::Dispatcher;
 use crate::outbox::reconcile::Reconciler;
 use crate::runtime::Runtime;
-use crate::runtime::local::LocalRuntime;
+use crate::runtime::local::{Deps, LocalRuntime};
 use crate::store::sqlite::OpenMode;
 use crate::store::{self, SharedStore};
 use crate::submitter::Submitter;
@@ -91,15 +91,21 @@ impl Daemon {
         let mut runtimes: HashMap<String, Arc<dyn Runtime>> = HashMap::new();
         for (name, runtime) in &config.runtimes {
             let built: Arc<dyn Runtime> = match runtime {
-                RuntimeConfig::Local(local) => Arc::new(LocalRuntime::new(
-                    name,
-                    local,
-                    store.clone(),
-                    config.store.batch_size,
-                    clock.clone(),
-                    observer.clone(),
-                    dispatcher_wake.clone(),
-                )),
+                RuntimeConfig::Local(local) => Arc::new(
+                    LocalRuntime::new(
+                        name,
+                        local,
+                        Deps {
+                            store: store.clone(),
+                            batch_size: config.store.batch_size,
+                            messages: config.messages.clone(),
+                            clock: clock.clone(),
+                            observer: observer.clone(),
+                            outbox_wake: dispatcher_wake.clone(),
+                        },
+                    )
+                    .map_err(anyhow::Error::msg)?,
+                ),
             };
             runtimes.insert(name.clone(), built);
         }
@@ -107,7 +113,7 @@ impl Daemon {
         // Channel accounts: their ingress side and their adapters.
         let mut accounts = Vec::new();
         let mut adapters: HashMap<String, Arc<dyn ChannelAdapter>> = HashMap::new();
-        let mut account_runtime = HashMap::new();
+        let mut account_names = HashMap::new();
         let mut webhook_accounts = HashMap::new();
         for (name, channel) in &config.channels {
             match channel {
@@ -122,7 +128,7 @@ impl Daemon {
                         .with_context(|| format!("building the HTTP client of channels.{name}"))?;
                     adapters.insert(identity.clone(), Arc::new(sender));
                     webhook_accounts.insert(name.clone(), IngressAccount { secret });
-                    account_runtime.insert(identity.clone(), w.runtime.clone());
+                    account_names.insert(identity.clone(), (name.clone(), w.runtime.clone()));
                     accounts.push(AccountInfo {
                         name: name.clone(),
                         identity,
@@ -186,11 +192,12 @@ impl Daemon {
         let submitter = Submitter {
             store: store.clone(),
             runtimes: runtimes.clone(),
-            account_runtime,
+            accounts: account_names,
             config: config.clone(),
             clock: clock.clone(),
             observer: observer.clone(),
             wake: submitter_wake,
+            outbox_wake: dispatcher_wake.clone(),
         };
 
         let workers_stop = CancellationToken::new();

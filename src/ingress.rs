@@ -17,6 +17,7 @@ use switchboard_channel::{
 use tokio::sync::Notify;
 
 use crate::clock::SharedClock;
+use crate::commands::{self, Command};
 use crate::keys;
 use crate::observe::SharedObserver;
 use crate::store::batch::{BatchError, Batcher};
@@ -90,6 +91,12 @@ impl Ingress {
         };
         let payload = serde_json::to_string(&envelope.content)
             .map_err(|e| IngressError::Invalid(format!("content cannot be stored: {e}")))?;
+        // `/new` closes the conversation in the journal's own transaction,
+        // so the chat's next update, however soon, starts a new one.
+        let closes_conversation = matches!(
+            &envelope.content,
+            Content::Message { text, .. } if commands::parse(text) == Some(Command::New)
+        );
         let (sender_id, sender_name) = match envelope.sender {
             Some(s) => (Some(s.id), s.name),
             None => (None, None),
@@ -108,6 +115,8 @@ impl Ingress {
             payload,
             disposition,
             reason,
+            input_policy: envelope.input_policy,
+            closes_conversation,
             received_at: self.clock.now_ms(),
         })
     }

@@ -20,6 +20,11 @@ pub fn answer_item_key(run_id: &str, part: usize) -> String {
     format!("run-{run_id}-answer-{part}")
 }
 
+/// The reply item key of a notice a run sends (a failure notice).
+pub fn run_notice_key(run_id: i64, what: &str) -> String {
+    format!("run-{run_id}-{what}")
+}
+
 /// The reply item key of a notice about an inbound row (a failure notice, a
 /// refusal): one per row and reason, so a retry never sends it twice.
 pub fn notice_item_key(inbound_id: i64, what: &str) -> String {

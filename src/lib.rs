@@ -25,8 +25,10 @@
 //! - The core does not depend on any platform SDK: only `adapters/*` do.
 
 pub mod admin;
+pub mod backoff;
 pub mod cli;
 pub mod clock;
+pub mod commands;
 pub mod config;
 pub mod daemon;
 pub mod demo;

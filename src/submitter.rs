@@ -1,11 +1,16 @@
-//! The submitter: journal rows → runtime submissions.
+//! The submitter: journal rows → runtime submissions and chat commands.
 //!
-//! It reads rows that are stored but not yet admitted, oldest first, hands
-//! them to the runtime of their channel account with the idempotency key
-//! derived from their inbound key, and records the run ids. It holds no
-//! state of its own: after a crash the same rows are still pending and are
-//! submitted again under the same keys, and the runtime answers with the
-//! same runs (DESIGN.md promise 2).
+//! It reads rows that are stored but not yet admitted, oldest first. A
+//! command (`/stop`, `/new`, `/help`) is handled by the core; anything else
+//! goes to the runtime of its channel account with the idempotency key
+//! derived from its inbound key, and the run id is recorded. Rows of one
+//! conversation are handled strictly in journal order: a command acts after
+//! the inputs before it were admitted and before the ones after it.
+//!
+//! It holds no state that matters: after a crash the same rows are still
+//! pending and are submitted again under the same keys, and the runtime
+//! answers with the same runs (DESIGN.md promise 2). Every row ends with a
+//! recorded disposition, and every refusal is told to its sender.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -16,11 +21,14 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::clock::SharedClock;
+use crate::commands::{self, Command};
 use crate::config::Config;
+use crate::keys;
 use crate::observe::SharedObserver;
-use crate::runtime::{Input, Runtime, Submission, SubmitError};
-use crate::store::{Admitted, Disposition, InboundRow, SharedStore};
-use crate::surface::SurfaceKind;
+use crate::runtime::{Input, Runtime, Stop, Submission, SubmitError};
+use crate::store::{
+    Admitted, Disposition, InboundRow, ItemKind, NewOutboxItem, SharedStore, StoreError,
+};
 
 /// How often the submitter looks at the journal when nothing woke it.
 const IDLE_POLL: Duration = Duration::from_secs(1);
@@ -29,12 +37,14 @@ pub struct Submitter {
     pub store: SharedStore,
     /// Runtimes by configured name.
     pub runtimes: HashMap<String, Arc<dyn Runtime>>,
-    /// The runtime name of each channel account, by store identity.
-    pub account_runtime: HashMap<String, String>,
+    /// Channel accounts by store identity: (configured name, runtime name).
+    pub accounts: HashMap<String, (String, String)>,
     pub config: Arc<Config>,
     pub clock: SharedClock,
     pub observer: SharedObserver,
     pub wake: Arc<Notify>,
+    /// Wakes the dispatcher when a notice was written.
+    pub outbox_wake: Arc<Notify>,
 }
 
 /// What one round achieved.
@@ -47,15 +57,34 @@ pub struct Round {
     pub deferred: usize,
 }
 
+/// What became of one row in a round.
+enum Step {
+    /// A submission for its runtime.
+    Submit(Box<Submission>),
+    /// A command the core handles.
+    Command(Command),
+    /// Settled without a run.
+    Settle(Disposition, String),
+}
+
+/// Rows waiting for an unreachable runtime: since when, and whether the
+/// sender was told.
+#[derive(Default)]
+struct Waiting {
+    since: HashMap<i64, i64>,
+    told: HashSet<i64>,
+}
+
 impl Submitter {
     /// Submit until `stop` is cancelled.
     pub async fn run(self, stop: CancellationToken) {
         let retry = Duration::from_secs(self.config.submitter.retry_secs);
+        let mut waiting = Waiting::default();
         loop {
-            let round = match self.round().await {
+            let round = match self.round(&mut waiting).await {
                 Ok(round) => round,
                 Err(e) => {
-                    tracing::warn!(error = %e, "submitter could not read the journal; retrying");
+                    tracing::warn!(error = %e, "submitter could not read or write the journal; retrying");
                     Round {
                         deferred: 1,
                         ..Round::default()
@@ -84,7 +113,7 @@ impl Submitter {
     }
 
     /// One pass over the oldest pending rows.
-    pub async fn round(&self) -> Result<Round, crate::store::StoreError> {
+    async fn round(&self, waiting: &mut Waiting) -> Result<Round, StoreError> {
         let rows = self
             .store
             .journal_pending(self.config.submitter.batch_size)
@@ -93,101 +122,126 @@ impl Submitter {
             read: rows.len(),
             ..Round::default()
         };
-        if rows.is_empty() {
-            return Ok(round);
-        }
-        // Group by runtime, keeping journal order within each group.
-        let mut groups: Vec<(String, Vec<InboundRow>)> = Vec::new();
+        let now = self.clock.now_ms();
+        // Conversations whose earlier row could not be handled this round:
+        // their later rows wait, so journal order holds.
+        let mut blocked: HashSet<i64> = HashSet::new();
+        // Consecutive submissions to one runtime go out as one batch.
+        let mut batch: Vec<(InboundRow, Submission)> = Vec::new();
+        let mut batch_runtime: Option<String> = None;
         for row in rows {
-            let runtime = self.account_runtime.get(&row.account).cloned();
-            let Some(runtime) = runtime else {
+            if blocked.contains(&row.conversation_id) {
+                round.deferred += 1;
+                continue;
+            }
+            let Some((_, runtime_name)) = self.accounts.get(&row.account) else {
                 // The account was removed from the config while rows of it
                 // were pending: keep them for when it comes back.
+                blocked.insert(row.conversation_id);
                 round.deferred += 1;
                 continue;
             };
-            match groups.iter_mut().find(|(name, _)| *name == runtime) {
-                Some((_, g)) => g.push(row),
-                None => groups.push((runtime, vec![row])),
-            }
-        }
-        let now = self.clock.now_ms();
-        let mut admitted = Vec::new();
-        for (runtime_name, rows) in groups {
-            let Some(runtime) = self.runtimes.get(&runtime_name) else {
-                round.deferred += rows.len();
-                continue;
-            };
-            let mut submissions = Vec::with_capacity(rows.len());
-            let mut submitted_rows = Vec::with_capacity(rows.len());
-            for row in rows {
-                match self.submission(&row) {
-                    Ok(s) => {
-                        submissions.push(s);
-                        submitted_rows.push(row);
+            let runtime_name = runtime_name.clone();
+            match self.step(&row) {
+                Step::Submit(submission) => {
+                    if batch_runtime.as_deref().is_some_and(|r| r != runtime_name) {
+                        self.flush(
+                            &mut batch,
+                            &batch_runtime,
+                            &mut blocked,
+                            &mut round,
+                            waiting,
+                            now,
+                        )
+                        .await?;
                     }
-                    Err(reason) => {
-                        self.settle(&row, Disposition::Rejected, &reason, now)
-                            .await?;
+                    batch_runtime = Some(runtime_name);
+                    batch.push((row, *submission));
+                }
+                Step::Command(command) => {
+                    // Everything before the command is admitted first.
+                    self.flush(
+                        &mut batch,
+                        &batch_runtime,
+                        &mut blocked,
+                        &mut round,
+                        waiting,
+                        now,
+                    )
+                    .await?;
+                    if blocked.contains(&row.conversation_id) {
+                        round.deferred += 1;
+                        continue;
+                    }
+                    if self.command(&row, command, &runtime_name, now).await? {
                         round.settled += 1;
-                    }
-                }
-            }
-            let results = runtime.submit(submissions).await;
-            let mut blocked: HashSet<i64> = HashSet::new();
-            for (row, result) in submitted_rows.iter().zip(results) {
-                if blocked.contains(&row.conversation_id) {
-                    round.deferred += 1;
-                    continue;
-                }
-                match result {
-                    Ok(admission) => {
-                        self.observer.admitted(
-                            &runtime_name,
-                            row.id,
-                            &admission.run_id,
-                            admission.new,
-                        );
-                        admitted.push(Admitted {
-                            inbound_id: row.id,
-                            run_id: admission.run_id,
-                        });
-                    }
-                    Err(SubmitError::Unavailable(why)) => {
-                        tracing::warn!(inbound_id = row.id, runtime = %runtime_name, %why, "runtime unavailable; will resubmit");
-                        self.observer
-                            .submission_failed(&runtime_name, "unavailable");
+                    } else {
                         blocked.insert(row.conversation_id);
                         round.deferred += 1;
                     }
-                    Err(SubmitError::Rejected(why)) => {
-                        self.observer.submission_failed(&runtime_name, "rejected");
-                        self.settle(row, Disposition::Rejected, &why, now).await?;
-                        round.settled += 1;
-                    }
+                }
+                Step::Settle(disposition, reason) => {
+                    // A rejected message is answered with a notice; an
+                    // ignored update kind expects no answer.
+                    let notice = (disposition == Disposition::Rejected).then(|| {
+                        self.notice(&row, "rejected", &self.config.messages.run_failed, now)
+                    });
+                    self.settle(&row, disposition, &reason, notice.as_ref(), now)
+                        .await?;
+                    round.settled += 1;
                 }
             }
         }
-        round.admitted = admitted.len();
-        self.store.journal_admit(&admitted, now).await?;
+        self.flush(
+            &mut batch,
+            &batch_runtime,
+            &mut blocked,
+            &mut round,
+            waiting,
+            now,
+        )
+        .await?;
         Ok(round)
     }
 
-    fn submission(&self, row: &InboundRow) -> Result<Submission, String> {
-        let payload = row
-            .payload
-            .as_deref()
-            .ok_or_else(|| "the payload was pruned before the update was submitted".to_owned())?;
-        let content: Content = serde_json::from_str(payload)
-            .map_err(|e| format!("the stored payload cannot be read: {e}"))?;
+    /// What to do with one row.
+    fn step(&self, row: &InboundRow) -> Step {
+        let Some(payload) = row.payload.as_deref() else {
+            return Step::Settle(
+                Disposition::Rejected,
+                "the payload was pruned before the update was submitted".into(),
+            );
+        };
+        let content: Content = match serde_json::from_str(payload) {
+            Ok(c) => c,
+            Err(e) => {
+                return Step::Settle(
+                    Disposition::Rejected,
+                    format!("the stored payload cannot be read: {e}"),
+                );
+            }
+        };
         let (text, attachments): (String, Vec<AttachmentRef>) = match content {
             Content::Message { text, attachments } => (text, attachments),
             Content::Unsupported { kind, .. } => {
-                return Err(format!("update kind {kind:?} cannot be submitted"));
+                return Step::Settle(
+                    Disposition::Ignored,
+                    format!("update kind {kind:?} cannot be submitted"),
+                );
             }
         };
-        let surface = self.config.surface(row.surface);
-        Ok(Submission {
+        if let Some(command) = commands::parse(&text) {
+            return Step::Command(command);
+        }
+        let account_name = self
+            .accounts
+            .get(&row.account)
+            .map(|(name, _)| name.as_str())
+            .unwrap_or_default();
+        let surface = self
+            .config
+            .surface_for(account_name, row.surface, &row.chat_id);
+        Step::Submit(Box::new(Submission {
             idempotency_key: row.submission_key.clone(),
             conversation_id: row.conversation_id,
             inbound_id: Some(row.id),
@@ -202,8 +256,175 @@ impl Submitter {
                 sender_id: row.sender_id.clone(),
                 sender_name: row.sender_name.clone(),
             },
-            policy: resolve_auto(surface.input_policy, surface.delivery, row.surface),
-        })
+            policy: surface.policy_for(row.input_policy),
+            coalesce_pending: surface.coalesce_pending,
+            max_queued_inputs: surface.max_queued_inputs,
+            soft_interrupt: surface.soft_interrupt,
+        }))
+    }
+
+    /// Submit the gathered batch to its runtime and record the outcomes.
+    async fn flush(
+        &self,
+        batch: &mut Vec<(InboundRow, Submission)>,
+        runtime_name: &Option<String>,
+        blocked: &mut HashSet<i64>,
+        round: &mut Round,
+        waiting: &mut Waiting,
+        now: i64,
+    ) -> Result<(), StoreError> {
+        if batch.is_empty() {
+            return Ok(());
+        }
+        let (rows, submissions): (Vec<InboundRow>, Vec<Submission>) =
+            std::mem::take(batch).into_iter().unzip();
+        let name = runtime_name.clone().unwrap_or_default();
+        let Some(runtime) = self.runtimes.get(&name) else {
+            round.deferred += rows.len();
+            blocked.extend(rows.iter().map(|r| r.conversation_id));
+            return Ok(());
+        };
+        let results = runtime.submit(submissions).await;
+        let mut admitted = Vec::new();
+        for (row, result) in rows.iter().zip(results) {
+            if blocked.contains(&row.conversation_id) {
+                round.deferred += 1;
+                continue;
+            }
+            match result {
+                Ok(admission) => {
+                    waiting.since.remove(&row.id);
+                    waiting.told.remove(&row.id);
+                    self.observer
+                        .admitted(&name, row.id, &admission.run_id, admission.new);
+                    admitted.push(Admitted {
+                        inbound_id: row.id,
+                        run_id: admission.run_id,
+                    });
+                }
+                Err(SubmitError::Unavailable(why)) => {
+                    tracing::warn!(inbound_id = row.id, runtime = %name, %why, "runtime unavailable; will resubmit");
+                    self.observer.submission_failed(&name, "unavailable");
+                    blocked.insert(row.conversation_id);
+                    round.deferred += 1;
+                    self.tell_if_waiting_long(row, waiting, now).await?;
+                }
+                Err(SubmitError::Refused(why)) => {
+                    self.observer.submission_failed(&name, "refused");
+                    let notice = self.notice(row, "refused", &self.config.messages.queue_full, now);
+                    self.settle(row, Disposition::Refused, &why, Some(&notice), now)
+                        .await?;
+                    round.settled += 1;
+                }
+                Err(SubmitError::Rejected(why)) => {
+                    self.observer.submission_failed(&name, "rejected");
+                    let notice =
+                        self.notice(row, "rejected", &self.config.messages.run_failed, now);
+                    self.settle(row, Disposition::Rejected, &why, Some(&notice), now)
+                        .await?;
+                    round.settled += 1;
+                }
+            }
+        }
+        round.admitted += admitted.len();
+        self.store.journal_admit(&admitted, now).await
+    }
+
+    /// Handle a command row. Returns `false` when it must wait (its
+    /// runtime is unavailable).
+    async fn command(
+        &self,
+        row: &InboundRow,
+        command: Command,
+        runtime_name: &str,
+        now: i64,
+    ) -> Result<bool, StoreError> {
+        let messages = &self.config.messages;
+        let stop_with = |text: &str| Stop {
+            conversation_id: row.conversation_id,
+            reason: command.name().to_owned(),
+            notice: self.notice(row, command.name().trim_start_matches('/'), text, now),
+        };
+        match command {
+            Command::Help => {
+                let notice = self.notice(row, "help", &messages.help, now);
+                self.settle(
+                    row,
+                    Disposition::Command,
+                    command.name(),
+                    Some(&notice),
+                    now,
+                )
+                .await?;
+            }
+            Command::Stop | Command::New => {
+                let Some(runtime) = self.runtimes.get(runtime_name) else {
+                    return Ok(false);
+                };
+                // `/new` closed the conversation at ingress; what was still
+                // running or waiting in it is stopped, so nothing from the
+                // old conversation arrives after the confirmation.
+                let text = if command == Command::Stop {
+                    &messages.stopped
+                } else {
+                    &messages.new_conversation
+                };
+                match runtime.stop(stop_with(text)).await {
+                    Ok(report) => {
+                        tracing::info!(conversation = row.conversation_id, command = command.name(), interrupted = ?report.interrupted, cancelled = report.cancelled, "command handled");
+                        self.settle(row, Disposition::Command, command.name(), None, now)
+                            .await?;
+                    }
+                    Err(e) => {
+                        tracing::warn!(inbound_id = row.id, error = %e, "could not stop; will retry");
+                        return Ok(false);
+                    }
+                }
+            }
+        }
+        Ok(true)
+    }
+
+    /// Tell the sender once when their message has waited longer than
+    /// `submitter.unreachable_notice_secs` for an unreachable runtime. The
+    /// row stays pending and is answered when the runtime is back.
+    async fn tell_if_waiting_long(
+        &self,
+        row: &InboundRow,
+        waiting: &mut Waiting,
+        now: i64,
+    ) -> Result<(), StoreError> {
+        let since = *waiting.since.entry(row.id).or_insert(now);
+        let limit = (self.config.submitter.unreachable_notice_secs * 1000) as i64;
+        if now - since >= limit && waiting.told.insert(row.id) {
+            let notice = self.notice(
+                row,
+                "unreachable",
+                &self.config.messages.runtime_unreachable,
+                now,
+            );
+            self.store.outbox_enqueue(&[notice]).await?;
+            self.outbox_wake.notify_one();
+        }
+        Ok(())
+    }
+
+    /// A notice to the sender of a row, in its conversation's lane; its key
+    /// is one per row and purpose, so a retry never sends it twice.
+    fn notice(&self, row: &InboundRow, what: &str, text: &str, now: i64) -> NewOutboxItem {
+        NewOutboxItem {
+            item_key: keys::notice_item_key(row.id, what),
+            conversation_id: row.conversation_id,
+            account: row.account.clone(),
+            chat_id: row.chat_id.clone(),
+            thread_id: row.thread_id.clone(),
+            surface: row.surface,
+            reply_to: row.message_id.clone(),
+            run_id: None,
+            kind: ItemKind::Notice,
+            text: text.to_owned(),
+            created_at: now,
+        }
     }
 
     async fn settle(
@@ -211,31 +432,20 @@ impl Submitter {
         row: &InboundRow,
         disposition: Disposition,
         reason: &str,
+        notice: Option<&NewOutboxItem>,
         now: i64,
-    ) -> Result<(), crate::store::StoreError> {
+    ) -> Result<(), StoreError> {
         if self
             .store
-            .journal_settle(row.id, disposition, reason, now)
+            .journal_settle(row.id, disposition, reason, notice, now)
             .await?
         {
             tracing::info!(inbound_id = row.id, disposition = %disposition, reason, "update settled without a run");
             self.observer.settled(row.id, disposition.as_str(), reason);
+            if notice.is_some() {
+                self.outbox_wake.notify_one();
+            }
         }
         Ok(())
-    }
-}
-
-/// `auto` asks one question: did anyone see the partial answer? On a
-/// streaming surface they did (`interrupt`); otherwise not (`supersede`).
-fn resolve_auto(
-    policy: crate::surface::InputPolicy,
-    delivery: crate::surface::Delivery,
-    _surface: SurfaceKind,
-) -> crate::surface::InputPolicy {
-    use crate::surface::{Delivery, InputPolicy};
-    match (policy, delivery) {
-        (InputPolicy::Auto, Delivery::Streaming) => InputPolicy::Interrupt,
-        (InputPolicy::Auto, Delivery::TerminalOnly) => InputPolicy::Supersede,
-        (p, _) => p,
     }
 }

@@ -2,6 +2,7 @@
 //! (DESIGN.md §2), and the settings each one carries.
 
 use serde::{Deserialize, Serialize};
+pub use switchboard_channel::InputPolicy;
 use switchboard_channel::{ChatKind, Platform};
 
 /// A surface.
@@ -88,45 +89,6 @@ impl std::fmt::Display for SurfaceKind {
     }
 }
 
-/// What happens to the run in flight when a new input arrives in the same
-/// conversation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum InputPolicy {
-    Queue,
-    Inject,
-    Interrupt,
-    InterruptNext,
-    Supersede,
-    Auto,
-}
-
-impl InputPolicy {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            InputPolicy::Queue => "queue",
-            InputPolicy::Inject => "inject",
-            InputPolicy::Interrupt => "interrupt",
-            InputPolicy::InterruptNext => "interrupt-next",
-            InputPolicy::Supersede => "supersede",
-            InputPolicy::Auto => "auto",
-        }
-    }
-
-    pub fn parse(s: &str) -> Option<InputPolicy> {
-        [
-            InputPolicy::Queue,
-            InputPolicy::Inject,
-            InputPolicy::Interrupt,
-            InputPolicy::InterruptNext,
-            InputPolicy::Supersede,
-            InputPolicy::Auto,
-        ]
-        .into_iter()
-        .find(|p| p.as_str() == s)
-    }
-}
-
 /// Whether the answer is sent once at the end or shown growing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -165,6 +127,9 @@ pub struct Defaults {
     pub on_ambiguous_send: OnAmbiguousSend,
 }
 
+/// Queued inputs per conversation beyond which a new one is refused.
+pub const DEFAULT_MAX_QUEUED_INPUTS: usize = 32;
+
 /// `[surfaces.NAME]`: each key overrides the surface's default when set.
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -179,6 +144,33 @@ pub struct SurfaceSettings {
     /// `hold`, `resend` or `idempotent`.
     #[serde(default)]
     pub on_ambiguous_send: Option<OnAmbiguousSend>,
+    /// At most one queued successor per conversation; later inputs join it
+    /// (default false).
+    #[serde(default)]
+    pub coalesce_pending: Option<bool>,
+    /// Queued inputs per conversation beyond which a new input is refused
+    /// with a visible reply (default 32).
+    #[serde(default)]
+    pub max_queued_inputs: Option<usize>,
+    /// With `inject`: cut the current model call at once and continue the
+    /// same run with the new input, instead of waiting for the call to end
+    /// (default false).
+    #[serde(default)]
+    pub soft_interrupt: Option<bool>,
+}
+
+impl SurfaceSettings {
+    /// These settings with `over`'s set keys on top.
+    pub fn overlay(&self, over: &SurfaceSettings) -> SurfaceSettings {
+        SurfaceSettings {
+            input_policy: over.input_policy.or(self.input_policy),
+            delivery: over.delivery.or(self.delivery),
+            on_ambiguous_send: over.on_ambiguous_send.or(self.on_ambiguous_send),
+            coalesce_pending: over.coalesce_pending.or(self.coalesce_pending),
+            max_queued_inputs: over.max_queued_inputs.or(self.max_queued_inputs),
+            soft_interrupt: over.soft_interrupt.or(self.soft_interrupt),
+        }
+    }
 }
 
 #[cfg(test)]

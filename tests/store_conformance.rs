@@ -28,6 +28,8 @@ mod suite {
             disposition: Disposition::Pending,
             reason: None,
             submission_key: switchboard::keys::submission_key(account, key),
+            input_policy: None,
+            closes_conversation: false,
             received_at: 1_000,
         }
     }
@@ -141,13 +143,13 @@ mod suite {
         // A settled row does not change again.
         assert!(
             !store
-                .journal_settle(row.id, Disposition::Failed, "late", 3_000)
+                .journal_settle(row.id, Disposition::Failed, "late", None, 3_000)
                 .await
                 .unwrap()
         );
         assert!(
             store
-                .journal_settle(next[0].id, Disposition::Rejected, "no", 3_000)
+                .journal_settle(next[0].id, Disposition::Rejected, "no", None, 3_000)
                 .await
                 .unwrap()
         );
@@ -159,9 +161,8 @@ mod suite {
         assert_eq!(counts[&Disposition::Pending], 5);
     }
 
-    pub fn new_run(key: &str, conversation_id: i64) -> NewRun {
+    pub fn run_of(conversation_id: i64, mode: RunMode) -> NewRun {
         NewRun {
-            idempotency_key: key.into(),
             conversation_id,
             runtime: "default".into(),
             account: "webhook:a".into(),
@@ -169,10 +170,29 @@ mod suite {
             thread_id: None,
             surface: SurfaceKind::Webhook,
             reply_to: Some("m1".into()),
-            input: r#"{"text":"hi"}"#.into(),
-            priority: 0,
+            mode,
             created_at: 1_000,
         }
+    }
+
+    pub fn admit(key: &str, conversation_id: i64, target: AdmitTarget) -> Admit {
+        Admit {
+            idempotency_key: key.into(),
+            conversation_id,
+            inbound_id: None,
+            input: format!(r#"{{"text":"{key}"}}"#),
+            target,
+            interrupt: None,
+            created_at: 1_000,
+        }
+    }
+
+    pub fn new_run(key: &str, conversation_id: i64) -> Admit {
+        admit(
+            key,
+            conversation_id,
+            AdmitTarget::NewRun(run_of(conversation_id, RunMode::Ordinary)),
+        )
     }
 
     pub async fn runs_admit_is_idempotent(store: SharedStore) {
@@ -183,10 +203,11 @@ mod suite {
         assert!(first[0].new && first[1].new);
         assert_eq!(
             first[2],
-            RunAdmission {
+            AdmitOutcome {
                 run_id: first[0].run_id,
                 new: false,
-                state: RunState::Queued
+                state: RunState::Queued,
+                absorbed_by: None
             }
         );
         let again = store.runs_admit(&[new_run("k2", 1)]).await.unwrap();
@@ -194,17 +215,94 @@ mod suite {
         assert!(!again[0].new);
     }
 
+    pub async fn runs_coalesce_into_a_queued_run_only(store: SharedStore) {
+        let out = store
+            .runs_admit(&[
+                new_run("a", 1),
+                admit("b", 1, AdmitTarget::JoinBatch { index: 0 }),
+            ])
+            .await
+            .unwrap();
+        assert_eq!(
+            out[1].run_id, out[0].run_id,
+            "joined the run admitted just before"
+        );
+        let later = store
+            .runs_admit(&[admit(
+                "c",
+                1,
+                AdmitTarget::Join {
+                    run_id: out[0].run_id,
+                },
+            )])
+            .await
+            .unwrap();
+        assert_eq!(later[0].run_id, out[0].run_id);
+        let inputs = store.run_inputs(out[0].run_id).await.unwrap();
+        assert_eq!(
+            inputs
+                .iter()
+                .map(|i| i.idempotency_key.as_str())
+                .collect::<Vec<_>>(),
+            ["a", "b", "c"]
+        );
+        // Once the run started, a join gets a run of its own.
+        store.runs_start(&[out[0].run_id], 2_000).await.unwrap();
+        let late = store
+            .runs_admit(&[admit(
+                "d",
+                1,
+                AdmitTarget::Join {
+                    run_id: out[0].run_id,
+                },
+            )])
+            .await
+            .unwrap();
+        assert_ne!(late[0].run_id, out[0].run_id);
+        assert!(late[0].new);
+        let row = store.run_get(late[0].run_id).await.unwrap().unwrap();
+        assert_eq!(
+            (row.mode, row.state, row.reply_to.as_deref()),
+            (RunMode::Ordinary, RunState::Queued, Some("m1"))
+        );
+    }
+
+    pub async fn runs_interrupt_requests_and_recovery_scan(store: SharedStore) {
+        let a = store.runs_admit(&[new_run("a", 1)]).await.unwrap()[0].run_id;
+        store.runs_start(&[a], 2_000).await.unwrap();
+        let mut next = admit("b", 1, AdmitTarget::NewRun(run_of(1, RunMode::Urgent)));
+        next.interrupt = Some((a, RunState::Superseded));
+        let b = store.runs_admit(&[next]).await.unwrap()[0].run_id;
+        let a_row = store.run_get(a).await.unwrap().unwrap();
+        assert_eq!(
+            (a_row.state, a_row.end_as),
+            (RunState::InterruptRequested, Some(RunState::Superseded))
+        );
+        let b_row = store.run_get(b).await.unwrap().unwrap();
+        assert_eq!((b_row.mode, b_row.priority), (RunMode::Urgent, 1));
+        let unfinished: Vec<i64> = store
+            .runs_unfinished(0, 10)
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.id)
+            .collect();
+        assert_eq!(unfinished, [a, b]);
+    }
+
     fn finish(run_id: i64, key: &str, text: &str) -> RunFinish {
         RunFinish {
             run_id,
             state: RunState::Completed,
             answer: Some(text.into()),
+            prompt: Some(format!(r#"["q {text}"]"#)),
             reason: None,
             replies: vec![NewReply {
                 item_key: key.into(),
                 kind: ItemKind::Answer,
                 text: text.into(),
             }],
+            absorb: vec![],
             now: 5_000,
         }
     }
@@ -299,6 +397,259 @@ mod suite {
             .map(|(_, r)| r.run_id)
             .collect();
         assert_eq!(all, expected);
+    }
+
+    pub async fn runs_absorb_only_when_completing(store: SharedStore) {
+        let out = store
+            .runs_admit(&[
+                new_run("a", 3),
+                admit("b", 3, AdmitTarget::NewRun(run_of(3, RunMode::Inject))),
+                admit("c", 3, AdmitTarget::NewRun(run_of(3, RunMode::Inject))),
+            ])
+            .await
+            .unwrap();
+        let (a, b, c) = (out[0].run_id, out[1].run_id, out[2].run_id);
+        // An interrupted run absorbs nothing.
+        let mut cut = finish(a, "a-answer", "half");
+        cut.state = RunState::Interrupted;
+        cut.absorb = vec![b];
+        assert_eq!(store.runs_finish(&[cut]).await.unwrap(), [true]);
+        assert_eq!(
+            store.run_get(b).await.unwrap().unwrap().state,
+            RunState::Queued
+        );
+        // A completing run absorbs, and the absorbed key names it.
+        let mut done = finish(b, "b-answer", "both");
+        done.absorb = vec![c];
+        assert_eq!(store.runs_finish(&[done]).await.unwrap(), [true]);
+        let c_row = store.run_get(c).await.unwrap().unwrap();
+        assert_eq!(
+            (c_row.state, c_row.absorbed_by),
+            (RunState::Absorbed, Some(b))
+        );
+        let again = store
+            .runs_admit(&[admit(
+                "c",
+                3,
+                AdmitTarget::NewRun(run_of(3, RunMode::Inject)),
+            )])
+            .await
+            .unwrap();
+        assert_eq!(
+            again[0],
+            AdmitOutcome {
+                run_id: c,
+                new: false,
+                state: RunState::Absorbed,
+                absorbed_by: Some(b)
+            }
+        );
+    }
+
+    pub async fn runs_stop_cancels_queued_and_interrupts_running(store: SharedStore) {
+        // Journal rows for the inputs, so their dispositions can be checked.
+        let rows: Vec<i64> = store
+            .journal_insert(&[
+                inbound("webhook:a", "1", "c", None),
+                inbound("webhook:a", "2", "c", None),
+                inbound("webhook:a", "3", "c", None),
+            ])
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|o| match o {
+                JournalOutcome::Accepted { inbound_id, .. } => inbound_id,
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        let conversation = store
+            .journal_get(rows[0])
+            .await
+            .unwrap()
+            .unwrap()
+            .conversation_id;
+        let admits: Vec<Admit> = rows
+            .iter()
+            .enumerate()
+            .map(|(i, id)| Admit {
+                inbound_id: Some(*id),
+                ..new_run(&format!("k{i}"), conversation)
+            })
+            .collect();
+        let runs: Vec<i64> = store
+            .runs_admit(&admits)
+            .await
+            .unwrap()
+            .iter()
+            .map(|o| o.run_id)
+            .collect();
+        store
+            .journal_admit(
+                &rows
+                    .iter()
+                    .zip(&runs)
+                    .map(|(i, r)| Admitted {
+                        inbound_id: *i,
+                        run_id: r.to_string(),
+                    })
+                    .collect::<Vec<_>>(),
+                1_500,
+            )
+            .await
+            .unwrap();
+        store.runs_start(&[runs[0]], 2_000).await.unwrap();
+
+        let notice = |key: &str| NewOutboxItem {
+            text: "Stopped.".into(),
+            ..item(key, conversation)
+        };
+        let outcome = store
+            .runs_stop(&StopRequest {
+                conversation_id: conversation,
+                reason: "/stop".into(),
+                notice: Some(notice("stop-1")),
+                now: 3_000,
+            })
+            .await
+            .unwrap();
+        assert_eq!(
+            outcome,
+            StopOutcome {
+                interrupted: Some(runs[0]),
+                cancelled: vec![runs[1], runs[2]]
+            }
+        );
+        for (id, want) in rows.iter().zip([
+            Disposition::Admitted,
+            Disposition::Cancelled,
+            Disposition::Cancelled,
+        ]) {
+            assert_eq!(
+                store.journal_get(*id).await.unwrap().unwrap().disposition,
+                want
+            );
+        }
+        // The confirmation waits for the interrupted run's last words.
+        assert!(
+            store
+                .outbox_list(&OutboxFilter {
+                    conversation_id: Some(conversation),
+                    limit: 10,
+                    ..Default::default()
+                })
+                .await
+                .unwrap()
+                .is_empty()
+        );
+        let mut cut = finish(runs[0], "partial", "half an answer [interrupted]");
+        cut.state = RunState::Interrupted;
+        store.runs_finish(&[cut]).await.unwrap();
+        let mut items = store
+            .outbox_list(&OutboxFilter {
+                conversation_id: Some(conversation),
+                limit: 10,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        items.sort_by_key(|i| i.ordinal);
+        assert_eq!(
+            items
+                .iter()
+                .map(|i| i.item_key.as_str())
+                .collect::<Vec<_>>(),
+            ["partial", "stop-1"]
+        );
+
+        // With nothing running, the confirmation is written at once.
+        let outcome = store
+            .runs_stop(&StopRequest {
+                conversation_id: conversation,
+                reason: "/stop".into(),
+                notice: Some(notice("stop-2")),
+                now: 4_000,
+            })
+            .await
+            .unwrap();
+        assert_eq!(outcome, StopOutcome::default());
+        assert!(
+            store
+                .outbox_list(&OutboxFilter {
+                    limit: 10,
+                    ..Default::default()
+                })
+                .await
+                .unwrap()
+                .iter()
+                .any(|i| i.item_key == "stop-2")
+        );
+    }
+
+    pub async fn runs_history_is_recent_turns_that_reach_prompts(store: SharedStore) {
+        let runs: Vec<i64> = store
+            .runs_admit(
+                &(0..5)
+                    .map(|i| new_run(&format!("h{i}"), 9))
+                    .collect::<Vec<_>>(),
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|o| o.run_id)
+            .collect();
+        let states = [
+            RunState::Completed,
+            RunState::Superseded,
+            RunState::Interrupted,
+            RunState::Failed,
+            RunState::Completed,
+        ];
+        for (run, state) in runs.iter().zip(states) {
+            let mut f = finish(*run, &format!("r{run}"), "x");
+            f.state = state;
+            store.runs_finish(&[f]).await.unwrap();
+        }
+        let history: Vec<(i64, RunState)> = store
+            .runs_history(9, runs[4], 10)
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| (r.id, r.state))
+            .collect();
+        assert_eq!(
+            history,
+            [
+                (runs[2], RunState::Interrupted),
+                (runs[0], RunState::Completed)
+            ],
+            "newest first, before the asking run, only turns that reach prompts"
+        );
+        assert_eq!(
+            store.runs_history(9, i64::MAX, 1).await.unwrap().len(),
+            1,
+            "bounded by the limit"
+        );
+    }
+
+    pub async fn journal_new_closes_the_conversation(store: SharedStore) {
+        let mut new = inbound("webhook:a", "2", "c", None);
+        new.closes_conversation = true;
+        let out: Vec<_> = store
+            .journal_insert(&[
+                inbound("webhook:a", "1", "c", None),
+                new,
+                inbound("webhook:a", "3", "c", None),
+            ])
+            .await
+            .unwrap()
+            .into_iter()
+            .map(ids)
+            .collect();
+        assert_eq!(
+            out[0].2, out[1].2,
+            "/new itself belongs to the old conversation"
+        );
+        assert_ne!(out[1].2, out[2].2, "the next update starts a new one");
     }
 
     pub fn item(key: &str, conversation_id: i64) -> NewOutboxItem {
@@ -686,6 +1037,12 @@ conformance!(sqlite, open_sqlite;
     journal_resolves_conversations_by_chat_and_thread,
     journal_pending_in_order_and_admission_settles,
     runs_admit_is_idempotent,
+    runs_coalesce_into_a_queued_run_only,
+    runs_interrupt_requests_and_recovery_scan,
+    runs_absorb_only_when_completing,
+    runs_stop_cancels_queued_and_interrupts_running,
+    runs_history_is_recent_turns_that_reach_prompts,
+    journal_new_closes_the_conversation,
     runs_finish_writes_reply_items_once,
     runs_unfinished_pages_in_id_order,
     outbox_ordinals_and_duplicate_keys,

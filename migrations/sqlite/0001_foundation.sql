@@ -28,6 +28,7 @@ CREATE TABLE inbound (
     sender_name     TEXT,
     message_id      TEXT,
     payload         TEXT,
+    input_policy    TEXT,
     disposition     TEXT    NOT NULL,
     reason          TEXT,
     submission_key  TEXT    NOT NULL,
@@ -42,10 +43,11 @@ CREATE INDEX inbound_by_conversation ON inbound (conversation_id, id);
 CREATE INDEX inbound_by_disposition ON inbound (disposition, id);
 
 -- Runs of the built-in runtime. Within a conversation they execute by
--- (priority DESC, id): urgent inputs first, FIFO otherwise.
+-- (priority DESC, id): urgent inputs first, FIFO otherwise. `mode` is
+-- `ordinary` (may take coalesced inputs while queued), `inject` (offered to
+-- the running run at its next step boundary) or `urgent` (interrupt-next).
 CREATE TABLE runs (
     id              INTEGER PRIMARY KEY,
-    idempotency_key TEXT    NOT NULL UNIQUE,
     conversation_id INTEGER NOT NULL,
     runtime         TEXT    NOT NULL,
     account         TEXT    NOT NULL,
@@ -53,11 +55,22 @@ CREATE TABLE runs (
     thread_id       TEXT    NOT NULL DEFAULT '',
     surface         TEXT    NOT NULL,
     reply_to        TEXT,
-    input           TEXT    NOT NULL,
+    mode            TEXT    NOT NULL,
     state           TEXT    NOT NULL,
     priority        INTEGER NOT NULL DEFAULT 0,
+    -- For `interrupt_requested`: the terminal state it ends in
+    -- (`interrupted` or `superseded`).
+    end_as          TEXT,
+    -- A confirmation to send after the run's last words (`/stop`), as JSON
+    -- {"item_key", "text"}.
+    end_notice      TEXT,
+    -- The user turns this run answered, as a JSON array of strings, and its
+    -- answer (partial for an interrupted run): the conversation history.
+    prompt          TEXT,
     answer          TEXT,
     reason          TEXT,
+    -- For `absorbed`: the run that answered this one's inputs.
+    absorbed_by     INTEGER,
     created_at      INTEGER NOT NULL,
     started_at      INTEGER,
     finished_at     INTEGER
@@ -65,6 +78,38 @@ CREATE TABLE runs (
 CREATE INDEX runs_unfinished ON runs (id)
     WHERE state IN ('queued', 'running', 'interrupt_requested');
 CREATE INDEX runs_by_conversation ON runs (conversation_id, id);
+-- A conversation's runs that are not finished (what /stop acts on).
+CREATE INDEX runs_active ON runs (conversation_id, id)
+    WHERE state IN ('queued', 'running', 'interrupt_requested');
+-- The history of a conversation: runs whose answer reaches later prompts.
+CREATE INDEX runs_history ON runs (conversation_id, id)
+    WHERE state IN ('completed', 'interrupted');
+
+-- Inputs: what was submitted, under which idempotency key, owned by which
+-- run. Coalescing puts several inputs in one run.
+CREATE TABLE run_inputs (
+    id              INTEGER PRIMARY KEY,
+    idempotency_key TEXT    NOT NULL UNIQUE,
+    run_id          INTEGER NOT NULL REFERENCES runs (id),
+    conversation_id INTEGER NOT NULL,
+    inbound_id      INTEGER,
+    input           TEXT    NOT NULL,
+    created_at      INTEGER NOT NULL
+);
+CREATE INDEX run_inputs_by_run ON run_inputs (run_id, id);
+
+-- Durable run events (terminal records), written in the same transaction as
+-- the run's reply items. The id is the durable event id.
+CREATE TABLE run_events (
+    id              INTEGER PRIMARY KEY,
+    run_id          INTEGER NOT NULL,
+    conversation_id INTEGER NOT NULL,
+    kind            TEXT    NOT NULL,
+    state           TEXT    NOT NULL,
+    payload         TEXT    NOT NULL,
+    created_at      INTEGER NOT NULL
+);
+CREATE INDEX run_events_by_run ON run_events (run_id, id);
 
 -- The outbox. `head` marks the item its lane is waiting on: the lowest
 -- ordinal of the conversation that is still not_dispatched or

@@ -16,6 +16,7 @@ use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use switchboard_channel::AttachmentRef;
 
+use crate::store::NewOutboxItem;
 use crate::surface::{InputPolicy, SurfaceKind};
 
 /// What the user said, as the runtime sees it.
@@ -28,6 +29,18 @@ pub struct Input {
     pub sender_id: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sender_name: Option<String>,
+}
+
+impl Input {
+    /// An input of plain text.
+    pub fn text(text: impl Into<String>) -> Input {
+        Input {
+            text: text.into(),
+            attachments: Vec::new(),
+            sender_id: None,
+            sender_name: None,
+        }
+    }
 }
 
 /// One input for a runtime, with its identity and context.
@@ -46,7 +59,14 @@ pub struct Submission {
     /// The platform message to reference in replies.
     pub reply_to: Option<String>,
     pub input: Input,
+    /// The input policy, with `auto` already resolved by the surface.
     pub policy: InputPolicy,
+    /// At most one queued successor per conversation; later inputs join it.
+    pub coalesce_pending: bool,
+    /// Queued inputs beyond which this one is refused.
+    pub max_queued_inputs: usize,
+    /// With `inject`: cut the current model call at once.
+    pub soft_interrupt: bool,
 }
 
 /// The runtime's answer to a submission: the run that owns it.
@@ -67,6 +87,42 @@ pub enum SubmitError {
     /// Never: the runtime refused this input for good.
     #[error("refused by the runtime: {0}")]
     Rejected(String),
+    /// Not accepted because too much is waiting (the bounded queue); the
+    /// sender is told and may send it again later.
+    #[error("queue full: {0}")]
+    Refused(String),
+}
+
+/// `/stop` or `/new` for one conversation.
+#[derive(Debug, Clone)]
+pub struct Stop {
+    pub conversation_id: i64,
+    /// Recorded on what was cancelled (`/stop`, `/new`).
+    pub reason: String,
+    /// The confirmation, sent after the interrupted run's partial answer
+    /// (or at once when nothing was running).
+    pub notice: NewOutboxItem,
+}
+
+/// What a stop did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StopReport {
+    pub interrupted: Option<String>,
+    pub cancelled: usize,
+}
+
+/// A transient piece of a streaming answer: identified by `(run, epoch,
+/// sequence)`. A new epoch starts when a run starts its answer over (a
+/// retried model call); `text` is the whole answer so far, so a consumer
+/// that missed some deltas loses nothing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunDelta {
+    pub run_id: String,
+    pub conversation_id: i64,
+    pub epoch: u32,
+    pub sequence: u64,
+    pub delta: String,
+    pub text: String,
 }
 
 /// How a runtime's close went.
@@ -89,6 +145,13 @@ pub trait Runtime: Send + Sync {
     /// A submission is only attempted when every earlier submission of the
     /// same conversation in the batch was admitted, so journal order holds.
     async fn submit(&self, batch: Vec<Submission>) -> Vec<Result<Admission, SubmitError>>;
+
+    /// Interrupt the conversation's running run and cancel its queued
+    /// inputs; the notice confirms it in the chat.
+    async fn stop(&self, stop: Stop) -> Result<StopReport, SubmitError>;
+
+    /// Transient deltas of streaming answers, for previews.
+    fn deltas(&self) -> tokio::sync::broadcast::Receiver<RunDelta>;
 
     /// Pick up the work a previous process left (queued and running runs).
     /// Called once after start, before the submitter's first round. Returns

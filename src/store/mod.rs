@@ -54,12 +54,15 @@ pub trait JournalStore: Send + Sync {
     async fn journal_admit(&self, admissions: &[Admitted], now: i64) -> StoreResult<()>;
 
     /// Record a final disposition other than admission (ignored, rejected,
-    /// failed, ...), with its reason. Only rows still `pending` change.
+    /// refused, command, ...), with its reason, and the notice that tells the
+    /// sender, in one transaction. Only rows still `pending` change; the
+    /// notice is written only when the row changed.
     async fn journal_settle(
         &self,
         inbound_id: i64,
         disposition: Disposition,
         reason: &str,
+        notice: Option<&NewOutboxItem>,
         now: i64,
     ) -> StoreResult<bool>;
 
@@ -79,21 +82,41 @@ pub trait JournalStore: Send + Sync {
 /// Durable runs of the built-in runtime.
 #[async_trait]
 pub trait RunStore: Send + Sync {
-    /// Admit a batch of runs in one transaction; an idempotency key already
-    /// present returns the existing run (`new == false`).
-    async fn runs_admit(&self, batch: &[NewRun]) -> StoreResult<Vec<RunAdmission>>;
+    /// Admit a batch of inputs in one transaction. An idempotency key
+    /// already present returns its run (`new == false`) and changes
+    /// nothing.
+    async fn runs_admit(&self, batch: &[Admit]) -> StoreResult<Vec<AdmitOutcome>>;
 
     /// Mark queued runs running. Runs in any other state are left alone.
     async fn runs_start(&self, run_ids: &[i64], now: i64) -> StoreResult<()>;
 
-    /// Write terminal records and their reply items, each completion in the
-    /// batch atomically (one transaction for the whole batch). A completion
-    /// of a run that is already terminal changes nothing and reports `false`.
+    /// Write terminal records, their reply items and terminal events, each
+    /// completion atomically (one transaction for the batch). A run that is
+    /// already terminal changes nothing and reports `false`. Absorbed runs
+    /// and the journal rows of their inputs are settled in the same
+    /// transaction.
     async fn runs_finish(&self, batch: &[RunFinish]) -> StoreResult<Vec<bool>>;
+
+    /// Cancel a conversation's queued runs (their journal rows become
+    /// `cancelled`) and mark its running run `interrupt_requested`, in one
+    /// transaction; the notice is written now when nothing was running.
+    async fn runs_stop(&self, request: &StopRequest) -> StoreResult<StopOutcome>;
 
     /// Runs not yet terminal with an id above `after_id`, in id order (a
     /// page of the recovery scan).
     async fn runs_unfinished(&self, after_id: i64, limit: usize) -> StoreResult<Vec<RunRow>>;
+
+    /// The inputs a run owns, in admission order.
+    async fn run_inputs(&self, run_id: i64) -> StoreResult<Vec<InputRow>>;
+
+    /// The conversation's most recent turns that reach prompts (completed
+    /// and interrupted runs) older than `before_run`, newest first.
+    async fn runs_history(
+        &self,
+        conversation_id: i64,
+        before_run: i64,
+        limit: usize,
+    ) -> StoreResult<Vec<RunRow>>;
 
     async fn run_get(&self, run_id: i64) -> StoreResult<Option<RunRow>>;
 }

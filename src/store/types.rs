@@ -2,7 +2,7 @@
 //! the SQL row mapping (`as_str` / `parse`).
 
 use serde::Serialize;
-use switchboard_channel::ChatKind;
+use switchboard_channel::{ChatKind, InputPolicy};
 
 use crate::surface::SurfaceKind;
 
@@ -49,6 +49,21 @@ string_enum! {
         Failed => "failed",
         Cancelled => "cancelled",
         Absorbed => "absorbed",
+        /// A chat command handled by the core (`/stop`, `/new`, `/help`).
+        Command => "command",
+    }
+}
+
+string_enum! {
+    /// How a run takes part in its conversation's lane.
+    RunMode {
+        /// Runs in turn; may take coalesced inputs while queued.
+        Ordinary => "ordinary",
+        /// Offered to the running run at its next step boundary; runs on
+        /// its own only if that run does not complete.
+        Inject => "inject",
+        /// `interrupt-next`: runs before ordinary queued work.
+        Urgent => "urgent",
     }
 }
 
@@ -131,6 +146,11 @@ pub struct NewInbound {
     pub reason: Option<String>,
     /// The submission idempotency key derived from the inbound key.
     pub submission_key: String,
+    /// The input policy the sender asked for, if any.
+    pub input_policy: Option<InputPolicy>,
+    /// `/new`: the conversation is closed in the same transaction, so the
+    /// next update of the chat starts a new one.
+    pub closes_conversation: bool,
     pub received_at: i64,
 }
 
@@ -166,6 +186,7 @@ pub struct InboundRow {
     pub disposition: Disposition,
     pub reason: Option<String>,
     pub submission_key: String,
+    pub input_policy: Option<InputPolicy>,
     pub run_id: Option<String>,
     pub received_at: i64,
     pub settled_at: Option<i64>,
@@ -178,10 +199,9 @@ pub struct Admitted {
     pub run_id: String,
 }
 
-/// A run to admit.
+/// A new run: where its answers go and how it takes part in its lane.
 #[derive(Debug, Clone)]
 pub struct NewRun {
-    pub idempotency_key: String,
     pub conversation_id: i64,
     /// The runtime's configured name.
     pub runtime: String,
@@ -191,25 +211,56 @@ pub struct NewRun {
     pub surface: SurfaceKind,
     /// The platform message this run answers, for reply references.
     pub reply_to: Option<String>,
-    /// The input as JSON.
-    pub input: String,
-    pub priority: i64,
+    pub mode: RunMode,
     pub created_at: i64,
 }
 
-/// A run admission: the run and whether this call created it.
+/// Which run an admitted input belongs to.
+#[derive(Debug, Clone)]
+pub enum AdmitTarget {
+    /// A run of its own.
+    NewRun(NewRun),
+    /// Join a queued ordinary run (coalescing). If that run is no longer
+    /// queued, the input gets a new ordinary run with the same routing.
+    Join { run_id: i64 },
+    /// Join the run that the admission at `index` of the same batch
+    /// belongs to (coalescing with an input admitted moments before).
+    JoinBatch { index: usize },
+}
+
+/// One input to admit, with the lane decision taken for it.
+#[derive(Debug, Clone)]
+pub struct Admit {
+    pub idempotency_key: String,
+    pub conversation_id: i64,
+    pub inbound_id: Option<i64>,
+    /// The input as JSON.
+    pub input: String,
+    pub target: AdmitTarget,
+    /// A running run this input ends (`interrupt`, `interrupt-next`,
+    /// `supersede`): it becomes `interrupt_requested` in the same
+    /// transaction, ending as `end_as`.
+    pub interrupt: Option<(i64, RunState)>,
+    pub created_at: i64,
+}
+
+/// What admitting an input did.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RunAdmission {
+pub struct AdmitOutcome {
+    /// The run that owns the input.
     pub run_id: i64,
+    /// `false` when the idempotency key was admitted before.
     pub new: bool,
+    /// The run's state now.
     pub state: RunState,
+    /// For an absorbed run: the run that answered its inputs.
+    pub absorbed_by: Option<i64>,
 }
 
 /// A run record.
 #[derive(Debug, Clone, Serialize)]
 pub struct RunRow {
     pub id: i64,
-    pub idempotency_key: String,
     pub conversation_id: i64,
     pub runtime: String,
     pub account: String,
@@ -217,16 +268,35 @@ pub struct RunRow {
     pub thread_id: Option<String>,
     pub surface: SurfaceKind,
     pub reply_to: Option<String>,
-    pub input: String,
+    pub mode: RunMode,
     pub state: RunState,
-    /// Urgent runs (`interrupt-next`) have a higher priority; within one
-    /// priority, runs execute in id order.
+    /// Urgent runs have a higher priority; within one priority runs execute
+    /// in id order.
     pub priority: i64,
+    pub end_as: Option<RunState>,
+    /// A confirmation to send after the run's last words (`/stop`), JSON.
+    pub end_notice: Option<String>,
+    /// The user turns this run answered (JSON array of strings).
+    pub prompt: Option<String>,
     pub answer: Option<String>,
     pub reason: Option<String>,
+    pub absorbed_by: Option<i64>,
     pub created_at: i64,
     pub started_at: Option<i64>,
     pub finished_at: Option<i64>,
+}
+
+/// An admitted input.
+#[derive(Debug, Clone, Serialize)]
+pub struct InputRow {
+    pub id: i64,
+    pub idempotency_key: String,
+    pub run_id: i64,
+    pub conversation_id: i64,
+    pub inbound_id: Option<i64>,
+    /// The input as JSON.
+    pub input: String,
+    pub created_at: i64,
 }
 
 /// A reply item a finishing run creates.
@@ -238,15 +308,41 @@ pub struct NewReply {
 }
 
 /// A run's terminal record and the reply items it creates, written in one
-/// transaction.
+/// transaction with a durable terminal event.
 #[derive(Debug, Clone)]
 pub struct RunFinish {
     pub run_id: i64,
     pub state: RunState,
     pub answer: Option<String>,
+    /// The user turns the run answered (JSON array), for later prompts.
+    pub prompt: Option<String>,
     pub reason: Option<String>,
     pub replies: Vec<NewReply>,
+    /// Queued inject runs whose inputs this run answered: they become
+    /// `absorbed` (only when this run completes).
+    pub absorb: Vec<i64>,
     pub now: i64,
+}
+
+/// `/stop` (or `/new`) for one conversation.
+#[derive(Debug, Clone)]
+pub struct StopRequest {
+    pub conversation_id: i64,
+    /// Recorded on cancelled runs and their journal rows.
+    pub reason: String,
+    /// Written now when no run is running; otherwise the running run writes
+    /// it after its interrupted answer.
+    pub notice: Option<NewOutboxItem>,
+    pub now: i64,
+}
+
+/// What a stop did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StopOutcome {
+    /// The running run, now `interrupt_requested`.
+    pub interrupted: Option<i64>,
+    /// Queued runs, now `cancelled`.
+    pub cancelled: Vec<i64>,
 }
 
 /// An outbox item to add.

@@ -74,6 +74,55 @@ impl ChatKind {
     }
 }
 
+/// What happens to the run in flight when a new input arrives in the same
+/// conversation (DESIGN.md §2). Surfaces configure a default; a caller may
+/// pass one per input.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum InputPolicy {
+    /// The run in flight finishes; the new input runs after the queued work.
+    Queue,
+    /// The run in flight also answers the new input at its next step
+    /// boundary.
+    Inject,
+    /// The run in flight ends, its partial answer kept and marked as cut off;
+    /// the new input joins the tail of the queue.
+    Interrupt,
+    /// Like `interrupt`, but the new input runs before ordinary queued work.
+    InterruptNext,
+    /// The run in flight ends and its partial answer is dropped from later
+    /// prompts (kept in the record).
+    Supersede,
+    /// `interrupt` on streaming surfaces, `supersede` on terminal-only ones.
+    Auto,
+}
+
+impl InputPolicy {
+    pub const ALL: [InputPolicy; 6] = [
+        InputPolicy::Queue,
+        InputPolicy::Inject,
+        InputPolicy::Interrupt,
+        InputPolicy::InterruptNext,
+        InputPolicy::Supersede,
+        InputPolicy::Auto,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            InputPolicy::Queue => "queue",
+            InputPolicy::Inject => "inject",
+            InputPolicy::Interrupt => "interrupt",
+            InputPolicy::InterruptNext => "interrupt-next",
+            InputPolicy::Supersede => "supersede",
+            InputPolicy::Auto => "auto",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<InputPolicy> {
+        InputPolicy::ALL.into_iter().find(|p| p.as_str() == s)
+    }
+}
+
 /// The person (or bot) who sent an update.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Sender {
@@ -131,6 +180,8 @@ pub struct Envelope {
     /// The platform message id of this update, so replies can reference it.
     pub message_id: Option<String>,
     pub content: Content,
+    /// The input policy the caller asked for, overriding the surface's.
+    pub input_policy: Option<InputPolicy>,
 }
 
 /// The outcome of handing an envelope to the core, known only after commit.

@@ -15,7 +15,7 @@ use serde::Deserialize;
 use serde_json::json;
 use subtle::ConstantTimeEq;
 use switchboard_channel::{
-    AcceptStatus, ChatKind, Content, Envelope, IngressError, IngressSink, Sender,
+    AcceptStatus, ChatKind, Content, Envelope, IngressError, IngressSink, InputPolicy, Sender,
 };
 
 /// The header that carries the account's shared secret, when one is set.
@@ -100,6 +100,9 @@ struct WireUpdate {
     thread_id: Option<Id>,
     #[serde(default)]
     message_id: Option<Id>,
+    /// Overrides the surface's input policy for this input.
+    #[serde(default)]
+    input_policy: Option<InputPolicy>,
 }
 
 /// A refusal with a stable code and a sentence that names the problem and
@@ -308,6 +311,7 @@ fn parse_update(account: &str, body: &[u8]) -> Result<Envelope, Problem> {
         }),
         message_id: update.message_id.map(Id::into_string),
         content,
+        input_policy: update.input_policy,
     })
 }
 

@@ -1,73 +1,57 @@
-//! The built-in runtime: owns the runs of each conversation, keeps durable
-//! run records, and calls a model backend.
+//! The built-in runtime: owns the runs of each conversation, applies the
+//! input policies, keeps durable run records, and calls a model backend.
 //!
-//! Each conversation with work has a lane: a queue of run ids and at most
-//! one running run, driven by one task that exits when the queue is empty
-//! (so memory follows active conversations, not all of them). The store is
-//! the truth: a run is admitted (queued) durably before it is in a lane, and
-//! its terminal record and reply items are written in one transaction, so a
-//! crash at any point leaves either a queued/running run (re-run at start) or
-//! a finished run with its reply items.
+//! Each conversation with work has a [`lane::Lane`]: the running run and the
+//! queued runs in execution order, driven by one task that exits when the
+//! lane is empty (memory follows active conversations, not all of them).
+//! The store is the truth and every decision is durable before it acts:
+//! - an input is admitted (its run queued, or joined to a queued run, or an
+//!   interrupt of the running run requested) in one transaction before the
+//!   lane changes;
+//! - a run's terminal record, its reply items, its terminal event and the
+//!   absorption of inject runs it answered are one transaction;
+//! - after a crash, `recover` rebuilds the lanes from the store: queued runs
+//!   resume in order, running runs are re-run (or interrupted, by config),
+//!   runs asked to end are ended.
 
+pub mod exec;
+pub mod history;
+pub mod lane;
 pub mod model;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use tokio::sync::{Notify, Semaphore};
+use tokio::sync::{Notify, Semaphore, broadcast};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use self::model::{Model, ModelRequest};
-use super::{Admission, CloseReport, Input, Runtime, Submission, SubmitError};
+use self::lane::{Lane, Offer, Placement, QueuedRun, RunControl, Running};
+use self::model::Model;
+use super::{
+    Admission, CloseReport, Input, RunDelta, Runtime, Stop, StopReport, Submission, SubmitError,
+};
 use crate::clock::SharedClock;
-use crate::config::LocalRuntimeConfig;
-use crate::keys;
+use crate::config::{HistoryConfig, LocalRuntimeConfig, Messages, OnRestart};
 use crate::observe::SharedObserver;
 use crate::store::batch::Batcher;
-use crate::store::{ItemKind, NewReply, NewRun, RunFinish, RunRow, RunState, SharedStore};
-use crate::surface::InputPolicy;
+use crate::store::{
+    Admit, AdmitTarget, NewRun, RunFinish, RunMode, RunRow, RunState, SharedStore, StopRequest,
+};
 
-/// The text users see when a run fails.
-const FAILURE_NOTICE: &str = "Sorry, I could not answer that message. Please try again.";
-
-/// One run waiting in a lane.
-#[derive(Debug, Clone)]
-struct Queued {
-    run_id: i64,
-    priority: i64,
-    input: Input,
-}
-
-#[derive(Default)]
-struct Lane {
-    queue: VecDeque<Queued>,
-    running: Option<i64>,
-}
-
-impl Lane {
-    fn knows(&self, run_id: i64) -> bool {
-        self.running == Some(run_id) || self.queue.iter().any(|q| q.run_id == run_id)
-    }
-
-    /// Insert keeping (priority desc, arrival) order.
-    fn push(&mut self, run: Queued) {
-        let at = self
-            .queue
-            .iter()
-            .position(|q| q.priority < run.priority)
-            .unwrap_or(self.queue.len());
-        self.queue.insert(at, run);
-    }
-}
-
-struct Inner {
+/// What the runtime shares with its lane tasks.
+pub(crate) struct Inner {
     name: String,
     store: SharedStore,
     model: Box<dyn Model>,
+    system_prompt: Option<String>,
+    history: HistoryConfig,
+    run_timeout: Duration,
+    on_restart: OnRestart,
+    messages: Messages,
     lanes: Mutex<HashMap<i64, Lane>>,
     permits: Semaphore,
     starts: Batcher<i64, ()>,
@@ -75,10 +59,14 @@ struct Inner {
     clock: SharedClock,
     observer: SharedObserver,
     outbox_wake: Arc<Notify>,
+    deltas: broadcast::Sender<RunDelta>,
     tracker: TaskTracker,
-    /// Cancelled when the grace period ends: running model calls stop.
+    /// Cancelled when the grace period of a shutdown ends.
     abort: CancellationToken,
     closing: AtomicBool,
+    /// Serializes admissions and stops, so each lane decision is taken on
+    /// the lane as the previous decision left it.
+    admission: tokio::sync::Mutex<()>,
 }
 
 /// The built-in runtime.
@@ -86,19 +74,23 @@ pub struct LocalRuntime {
     inner: Arc<Inner>,
 }
 
+/// Everything the runtime needs from the daemon.
+pub struct Deps {
+    pub store: SharedStore,
+    pub batch_size: usize,
+    pub messages: Messages,
+    pub clock: SharedClock,
+    pub observer: SharedObserver,
+    pub outbox_wake: Arc<Notify>,
+}
+
 impl LocalRuntime {
-    pub fn new(
-        name: &str,
-        config: &LocalRuntimeConfig,
-        store: SharedStore,
-        batch_size: usize,
-        clock: SharedClock,
-        observer: SharedObserver,
-        outbox_wake: Arc<Notify>,
-    ) -> Self {
-        let start_store = store.clone();
-        let start_clock = clock.clone();
-        let (starts, _) = Batcher::spawn("run start", batch_size, move |ids: Vec<i64>| {
+    pub fn new(name: &str, config: &LocalRuntimeConfig, deps: Deps) -> Result<Self, String> {
+        let model =
+            model::build(&config.model).map_err(|e| format!("runtimes.{name}.model: {e}"))?;
+        let start_store = deps.store.clone();
+        let start_clock = deps.clock.clone();
+        let (starts, _) = Batcher::spawn("run start", deps.batch_size, move |ids: Vec<i64>| {
             let store = start_store.clone();
             let now = start_clock.now_ms();
             async move {
@@ -106,70 +98,87 @@ impl LocalRuntime {
                 Ok(vec![(); ids.len()])
             }
         });
-        let finish_store = store.clone();
-        let (finishes, _) =
-            Batcher::spawn("run finish", batch_size, move |batch: Vec<RunFinish>| {
+        let finish_store = deps.store.clone();
+        let (finishes, _) = Batcher::spawn(
+            "run finish",
+            deps.batch_size,
+            move |batch: Vec<RunFinish>| {
                 let store = finish_store.clone();
                 async move { store.runs_finish(&batch).await }
-            });
-        LocalRuntime {
+            },
+        );
+        Ok(LocalRuntime {
             inner: Arc::new(Inner {
                 name: name.to_owned(),
-                store,
-                model: model::build(&config.model),
+                store: deps.store,
+                model,
+                system_prompt: config.system_prompt.clone(),
+                history: config.history.clone(),
+                run_timeout: Duration::from_secs(config.run_timeout_secs),
+                on_restart: config.on_restart,
+                messages: deps.messages,
                 lanes: Mutex::new(HashMap::new()),
                 permits: Semaphore::new(config.max_concurrent_runs),
                 starts,
                 finishes,
-                clock,
-                observer,
-                outbox_wake,
+                clock: deps.clock,
+                observer: deps.observer,
+                outbox_wake: deps.outbox_wake,
+                deltas: broadcast::channel(1024).0,
                 tracker: TaskTracker::new(),
                 abort: CancellationToken::new(),
                 closing: AtomicBool::new(false),
+                admission: tokio::sync::Mutex::new(()),
             }),
-        }
+        })
     }
 }
 
 impl Inner {
-    /// Put a run in its conversation's lane, starting the lane's task when
-    /// the lane was idle. A run the lane already knows is not added twice.
-    fn enqueue(self: &Arc<Self>, conversation_id: i64, run: Queued) {
-        let mut lanes = self.lanes.lock().unwrap_or_else(|p| p.into_inner());
-        let idle = !lanes.contains_key(&conversation_id);
-        let lane = lanes.entry(conversation_id).or_default();
-        if lane.knows(run.run_id) {
-            return;
-        }
-        lane.push(run);
-        if idle {
-            let inner = self.clone();
-            self.tracker
-                .spawn(async move { inner.drive_lane(conversation_id).await });
-        }
+    fn lanes(&self) -> std::sync::MutexGuard<'_, HashMap<i64, Lane>> {
+        self.lanes.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Run a conversation's queued runs one after another until none is left.
-    async fn drive_lane(self: Arc<Self>, conversation_id: i64) {
+    /// The lane of a conversation, created (with its task) when idle.
+    fn lane_mut<'a>(
+        self: &Arc<Self>,
+        lanes: &'a mut HashMap<i64, Lane>,
+        conversation_id: i64,
+    ) -> &'a mut Lane {
+        if !lanes.contains_key(&conversation_id) {
+            let inner = self.clone();
+            self.tracker
+                .spawn(async move { inner.drive(conversation_id).await });
+        }
+        lanes.entry(conversation_id).or_default()
+    }
+
+    /// Run a conversation's queued runs one after another until none is
+    /// left (or the runtime is closing: queued runs then stay queued in the
+    /// store for the next start).
+    async fn drive(self: Arc<Self>, conversation_id: i64) {
+        let mut absorbed: Vec<i64> = Vec::new();
         loop {
-            let next = {
-                let mut lanes = self.lanes.lock().unwrap_or_else(|p| p.into_inner());
+            let (run, control) = {
+                let mut lanes = self.lanes();
                 let Some(lane) = lanes.get_mut(&conversation_id) else {
                     return;
                 };
                 lane.running = None;
-                // While closing, queued runs stay queued in the store and
-                // are resumed by the next start.
+                lane.remove(&absorbed);
                 let next = if self.closing.load(Ordering::SeqCst) {
                     None
                 } else {
-                    lane.queue.pop_front()
+                    lane.pop_next()
                 };
                 match next {
                     Some(run) => {
-                        lane.running = Some(run.run_id);
-                        run
+                        let control = RunControl::new();
+                        lane.running = Some(Running {
+                            run_id: run.run_id,
+                            control: control.clone(),
+                        });
+                        (run, control)
                     }
                     None => {
                         lanes.remove(&conversation_id);
@@ -180,96 +189,80 @@ impl Inner {
             let Ok(_permit) = self.permits.acquire().await else {
                 return;
             };
-            self.execute(conversation_id, next).await;
+            absorbed = self.execute(conversation_id, run, control).await;
         }
     }
 
-    async fn execute(&self, conversation_id: i64, run: Queued) {
-        // Recording `running` is for operators and recovery; the answer does
-        // not wait for it (the finish write is guarded by state, so the
-        // order of the two commits does not matter).
-        let starts = self.starts.clone();
-        let run_id = run.run_id;
-        tokio::spawn(async move {
-            let _ = starts.call(run_id, "run start").await;
-        });
-        let request = ModelRequest {
-            input: run.input.text.clone(),
-        };
-        let result = tokio::select! {
-            result = self.model.generate(&request) => result,
-            // Shutdown after the grace period: the run stays `running` in
-            // the store and is re-run by the next start.
-            _ = self.abort.cancelled() => return,
-        };
-        let now = self.clock.now_ms();
-        let run_key = run_id.to_string();
-        let finish = match result {
-            Ok(answer) => RunFinish {
-                run_id,
-                state: RunState::Completed,
-                replies: vec![NewReply {
-                    item_key: keys::answer_item_key(&run_key, 1),
-                    kind: ItemKind::Answer,
-                    text: answer.clone(),
-                }],
-                answer: Some(answer),
-                reason: None,
-                now,
-            },
-            Err(e) => {
-                tracing::warn!(run_id, runtime = %self.name, error = %e, "run failed");
-                RunFinish {
-                    run_id,
-                    state: RunState::Failed,
-                    answer: None,
-                    reason: Some(e.to_string()),
-                    replies: vec![NewReply {
-                        item_key: format!("run-{run_key}-failure"),
-                        kind: ItemKind::Notice,
-                        text: FAILURE_NOTICE.to_owned(),
-                    }],
-                    now,
-                }
-            }
-        };
+    /// Write a finished run, retrying store failures until it is written
+    /// or the daemon stops (then the run is recovered at the next start).
+    async fn finish(&self, finish: RunFinish, conversation_id: i64) -> bool {
+        let run_id = finish.run_id;
         let state = finish.state;
-        // A store failure here must not lose the answer: retry until it is
-        // written or the daemon stops (then the run is re-run at start).
+        let absorbed = finish.absorb.clone();
         let mut delay = Duration::from_millis(100);
         loop {
             match self.finishes.call(finish.clone(), "run finish").await {
-                Ok(true) => {
-                    self.observer
-                        .run_finished(&run_key, state.as_str(), conversation_id);
-                    self.outbox_wake.notify_one();
-                    return;
+                Ok(applied) => {
+                    if applied {
+                        self.observer.run_finished(
+                            &run_id.to_string(),
+                            state.as_str(),
+                            conversation_id,
+                        );
+                        if state == RunState::Completed {
+                            for id in &absorbed {
+                                self.observer.run_finished(
+                                    &id.to_string(),
+                                    RunState::Absorbed.as_str(),
+                                    conversation_id,
+                                );
+                            }
+                        }
+                        self.outbox_wake.notify_one();
+                    }
+                    return applied;
                 }
-                Ok(false) => return,
                 Err(e) => {
                     tracing::warn!(run_id, error = %e, "could not record a finished run; retrying");
                     tokio::select! {
                         _ = tokio::time::sleep(delay) => {}
-                        _ = self.abort.cancelled() => return,
+                        _ = self.abort.cancelled() => return false,
                     }
                     delay = (delay * 2).min(Duration::from_secs(5));
                 }
             }
         }
     }
+
+    /// End a run found `running` or `interrupt_requested` at start. What it
+    /// had said before the crash is lost; the user still learns it ended.
+    async fn end_recovered(&self, row: &RunRow, state: RunState) -> Result<(), String> {
+        let own: Vec<String> = self
+            .store
+            .run_inputs(row.id)
+            .await
+            .map_err(|e| e.to_string())?
+            .iter()
+            .map(|i| input_of(&i.input).text)
+            .collect();
+        let finish =
+            exec::ended_without_partial(self, row.id, state, row.end_notice.is_some(), &own);
+        self.finish(finish, row.conversation_id).await;
+        Ok(())
+    }
 }
 
-fn queued_from_row(row: &RunRow) -> Queued {
-    let input = serde_json::from_str::<Input>(&row.input).unwrap_or_else(|_| Input {
-        text: row.input.clone(),
-        attachments: Vec::new(),
-        sender_id: None,
-        sender_name: None,
-    });
-    Queued {
-        run_id: row.id,
-        priority: row.priority,
-        input,
+fn new_run(s: &Submission, runtime: &str, mode: RunMode, now: i64) -> NewRun {
+    NewRun {
+        conversation_id: s.conversation_id,
+        runtime: runtime.to_owned(),
+        account: s.account.clone(),
+        chat_id: s.chat_id.clone(),
+        thread_id: s.thread_id.clone(),
+        surface: s.surface,
+        reply_to: s.reply_to.clone(),
+        mode,
+        created_at: now,
     }
 }
 
@@ -291,57 +284,184 @@ impl Runtime for LocalRuntime {
                 })
                 .collect();
         }
+        let _serial = inner.admission.lock().await;
         let now = inner.clock.now_ms();
-        let runs: Vec<NewRun> = batch
-            .iter()
-            .map(|s| NewRun {
+
+        // Decide on copies of the lanes, so inputs of one batch see the
+        // decisions taken for the ones before them.
+        let mut shadows: HashMap<i64, Lane> = {
+            let lanes = inner.lanes();
+            batch
+                .iter()
+                .map(|s| {
+                    (
+                        s.conversation_id,
+                        lanes
+                            .get(&s.conversation_id)
+                            .map(Lane::shadow)
+                            .unwrap_or_default(),
+                    )
+                })
+                .collect()
+        };
+        let mut results: Vec<Option<Result<Admission, SubmitError>>> = vec![None; batch.len()];
+        let mut planned: Vec<(usize, lane::Plan)> = Vec::new();
+        let mut admits: Vec<Admit> = Vec::new();
+        for (i, s) in batch.iter().enumerate() {
+            let shadow = shadows.entry(s.conversation_id).or_default();
+            let plan = match shadow.plan(s.policy, s.coalesce_pending, s.max_queued_inputs) {
+                Ok(plan) => plan,
+                Err(full) => {
+                    results[i] = Some(Err(SubmitError::Refused(format!(
+                        "{} inputs are already waiting in this conversation (the limit is {})",
+                        full.queued, full.max
+                    ))));
+                    continue;
+                }
+            };
+            // Provisional ids for runs this batch creates: -(index + 1).
+            let provisional = -(admits.len() as i64) - 1;
+            let target = match plan.placement {
+                Placement::NewRun(mode) => {
+                    shadow.insert(QueuedRun {
+                        run_id: provisional,
+                        mode,
+                        surface: s.surface,
+                        inputs: vec![s.input.clone()],
+                    });
+                    AdmitTarget::NewRun(new_run(s, &inner.name, mode, now))
+                }
+                Placement::Join(run_id) => {
+                    shadow.join(run_id, s.input.clone());
+                    if run_id < 0 {
+                        AdmitTarget::JoinBatch {
+                            index: (-run_id - 1) as usize,
+                        }
+                    } else {
+                        AdmitTarget::Join { run_id }
+                    }
+                }
+            };
+            if let Some((_, state)) = plan.interrupt {
+                shadow.mark_ending(state);
+            }
+            admits.push(Admit {
                 idempotency_key: s.idempotency_key.clone(),
                 conversation_id: s.conversation_id,
-                runtime: inner.name.clone(),
-                account: s.account.clone(),
-                chat_id: s.chat_id.clone(),
-                thread_id: s.thread_id.clone(),
-                surface: s.surface,
-                reply_to: s.reply_to.clone(),
+                inbound_id: s.inbound_id,
                 // Serializing a plain struct of strings cannot fail.
                 input: serde_json::to_string(&s.input).unwrap_or_default(),
-                priority: i64::from(s.policy == InputPolicy::InterruptNext),
+                target,
+                interrupt: plan.interrupt,
                 created_at: now,
-            })
-            .collect();
-        match inner.store.runs_admit(&runs).await {
-            Ok(admissions) => batch
-                .into_iter()
-                .zip(admissions)
-                .map(|(submission, admission)| {
-                    // A new run, or a known one the lanes may have lost
-                    // track of (the lane ignores runs it already has).
-                    if admission.new || !admission.state.is_terminal() {
-                        inner.enqueue(
-                            submission.conversation_id,
-                            Queued {
-                                run_id: admission.run_id,
-                                priority: i64::from(
-                                    submission.policy == InputPolicy::InterruptNext,
-                                ),
-                                input: submission.input,
-                            },
-                        );
-                    }
-                    Ok(Admission {
-                        run_id: admission.run_id.to_string(),
-                        new: admission.new,
-                    })
-                })
-                .collect(),
+            });
+            planned.push((i, plan));
+        }
+
+        let outcomes = match inner.store.runs_admit(&admits).await {
+            Ok(outcomes) => outcomes,
             Err(e) => {
                 let why = e.to_string();
-                batch
-                    .iter()
-                    .map(|_| Err(SubmitError::Unavailable(why.clone())))
-                    .collect()
+                return results
+                    .into_iter()
+                    .map(|r| r.unwrap_or_else(|| Err(SubmitError::Unavailable(why.clone()))))
+                    .collect();
+            }
+        };
+
+        // Apply the committed decisions to the real lanes.
+        {
+            let mut lanes = inner.lanes();
+            for ((i, plan), outcome) in planned.into_iter().zip(outcomes) {
+                let s = &batch[i];
+                results[i] = Some(Ok(Admission {
+                    run_id: outcome.run_id.to_string(),
+                    new: outcome.new,
+                }));
+                if !outcome.new {
+                    continue;
+                }
+                let lane = self.inner.lane_mut(&mut lanes, s.conversation_id);
+                let joined = matches!(plan.placement, Placement::Join(_))
+                    && lane.join(outcome.run_id, s.input.clone());
+                if !joined {
+                    let mode = match plan.placement {
+                        Placement::NewRun(mode) => mode,
+                        Placement::Join(_) => RunMode::Ordinary,
+                    };
+                    lane.insert(QueuedRun {
+                        run_id: outcome.run_id,
+                        mode,
+                        surface: s.surface,
+                        inputs: vec![s.input.clone()],
+                    });
+                }
+                if let Some(running) = &lane.running {
+                    if let Some((id, state)) = plan.interrupt
+                        && running.run_id == id
+                    {
+                        running.control.end(state);
+                    }
+                    if plan.inject_into == Some(running.run_id) && !running.control.ending() {
+                        running.control.offer(
+                            Offer {
+                                run_id: outcome.run_id,
+                                inputs: vec![s.input.clone()],
+                            },
+                            s.soft_interrupt,
+                        );
+                    }
+                }
             }
         }
+        results
+            .into_iter()
+            .map(|r| r.unwrap_or_else(|| Err(SubmitError::Unavailable("not admitted".into()))))
+            .collect()
+    }
+
+    async fn stop(&self, stop: Stop) -> Result<StopReport, SubmitError> {
+        let inner = &self.inner;
+        let _serial = inner.admission.lock().await;
+        let outcome = inner
+            .store
+            .runs_stop(&StopRequest {
+                conversation_id: stop.conversation_id,
+                reason: stop.reason.clone(),
+                notice: Some(stop.notice),
+                now: inner.clock.now_ms(),
+            })
+            .await
+            .map_err(|e| SubmitError::Unavailable(e.to_string()))?;
+        {
+            let mut lanes = inner.lanes();
+            if let Some(lane) = lanes.get_mut(&stop.conversation_id) {
+                lane.remove(&outcome.cancelled);
+                if let Some(running) = &lane.running {
+                    let hit = outcome.interrupted == Some(running.run_id)
+                        || outcome.cancelled.contains(&running.run_id);
+                    if hit {
+                        running.control.end_stopped();
+                    }
+                }
+            }
+        }
+        for id in &outcome.cancelled {
+            inner.observer.run_finished(
+                &id.to_string(),
+                RunState::Cancelled.as_str(),
+                stop.conversation_id,
+            );
+        }
+        inner.outbox_wake.notify_one();
+        Ok(StopReport {
+            interrupted: outcome.interrupted.map(|id| id.to_string()),
+            cancelled: outcome.cancelled.len(),
+        })
+    }
+
+    fn deltas(&self) -> broadcast::Receiver<RunDelta> {
+        self.inner.deltas.subscribe()
     }
 
     async fn recover(&self) -> Result<usize, String> {
@@ -356,7 +476,40 @@ impl Runtime for LocalRuntime {
                 .await
                 .map_err(|e| e.to_string())?;
             for row in rows.iter().filter(|r| r.runtime == inner.name) {
-                inner.enqueue(row.conversation_id, queued_from_row(row));
+                let resume = match (row.state, inner.on_restart) {
+                    (RunState::Queued, _) | (RunState::Running, OnRestart::Rerun) => true,
+                    (RunState::Running, OnRestart::Interrupt) => {
+                        inner.end_recovered(row, RunState::Interrupted).await?;
+                        false
+                    }
+                    (RunState::InterruptRequested, _) => {
+                        inner
+                            .end_recovered(row, row.end_as.unwrap_or(RunState::Interrupted))
+                            .await?;
+                        false
+                    }
+                    _ => false,
+                };
+                if !resume {
+                    continue;
+                }
+                let inputs = inner
+                    .store
+                    .run_inputs(row.id)
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .iter()
+                    .map(|i| input_of(&i.input))
+                    .collect();
+                let mut lanes = inner.lanes();
+                self.inner
+                    .lane_mut(&mut lanes, row.conversation_id)
+                    .insert(QueuedRun {
+                        run_id: row.id,
+                        mode: row.mode,
+                        surface: row.surface,
+                        inputs,
+                    });
                 resumed += 1;
             }
             match rows.last() {
@@ -380,21 +533,27 @@ impl Runtime for LocalRuntime {
                 remaining: 0,
             };
         }
+        let running = inner
+            .lanes()
+            .values()
+            .filter(|l| l.running.is_some())
+            .count();
+        tracing::warn!(
+            runs = running,
+            "grace period over: aborting runs in flight (reason: shutdown); they re-run at the next start"
+        );
         inner.abort.cancel();
         let settled = tokio::time::timeout(force, inner.tracker.wait())
             .await
             .is_ok();
-        let remaining = if settled {
-            0
-        } else {
-            inner
-                .lanes
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .values()
-                .filter(|l| l.running.is_some())
-                .count()
-        };
-        CloseReport { settled, remaining }
+        CloseReport {
+            settled,
+            remaining: if settled { 0 } else { running },
+        }
     }
+}
+
+/// A stored input (JSON), or its raw text when it is not JSON.
+fn input_of(stored: &str) -> Input {
+    serde_json::from_str::<Input>(stored).unwrap_or_else(|_| Input::text(stored))
 }

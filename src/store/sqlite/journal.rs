@@ -3,11 +3,13 @@
 use async_trait::async_trait;
 use sqlx::Row;
 use sqlx::sqlite::SqliteRow;
-use switchboard_channel::ChatKind;
+use switchboard_channel::{ChatKind, InputPolicy};
 
+use super::outbox::insert_item;
 use super::{SqliteStore, bad_value, thread_from_db, thread_to_db};
 use crate::store::{
-    Admitted, Disposition, InboundRow, JournalOutcome, JournalStore, NewInbound, StoreResult,
+    Admitted, Disposition, InboundRow, JournalOutcome, JournalStore, NewInbound, NewOutboxItem,
+    StoreResult,
 };
 use crate::surface::SurfaceKind;
 
@@ -15,7 +17,8 @@ macro_rules! inbound_select {
     () => {
         "SELECT i.id, i.account, i.update_key, i.conversation_id, c.chat_id, c.chat_kind,
                 c.thread_id, c.surface, i.sender_id, i.sender_name, i.message_id, i.payload,
-                i.disposition, i.reason, i.submission_key, i.run_id, i.received_at, i.settled_at
+                i.input_policy, i.disposition, i.reason, i.submission_key, i.run_id,
+                i.received_at, i.settled_at
          FROM inbound i JOIN conversations c ON c.id = i.conversation_id "
     };
 }
@@ -36,6 +39,7 @@ fn inbound_from_row(row: &SqliteRow) -> StoreResult<InboundRow> {
     let chat_kind: String = row.try_get("chat_kind")?;
     let surface: String = row.try_get("surface")?;
     let disposition: String = row.try_get("disposition")?;
+    let policy: Option<String> = row.try_get("input_policy")?;
     Ok(InboundRow {
         id: row.try_get("id")?,
         account: row.try_get("account")?,
@@ -53,6 +57,9 @@ fn inbound_from_row(row: &SqliteRow) -> StoreResult<InboundRow> {
             .ok_or_else(|| bad_value("disposition", &disposition))?,
         reason: row.try_get("reason")?,
         submission_key: row.try_get("submission_key")?,
+        input_policy: policy
+            .map(|p| InputPolicy::parse(&p).ok_or_else(|| bad_value("input_policy", &p)))
+            .transpose()?,
         run_id: row.try_get("run_id")?,
         received_at: row.try_get("received_at")?,
         settled_at: row.try_get("settled_at")?,
@@ -104,8 +111,9 @@ impl JournalStore for SqliteStore {
             let settled_at = (item.disposition != Disposition::Pending).then_some(item.received_at);
             let inbound_id: i64 = sqlx::query_scalar(
                 "INSERT INTO inbound (account, update_key, conversation_id, sender_id, sender_name,
-                    message_id, payload, disposition, reason, submission_key, received_at, settled_at)
-                 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+                    message_id, payload, input_policy, disposition, reason, submission_key,
+                    received_at, settled_at)
+                 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
             )
             .bind(&item.account)
             .bind(&item.update_key)
@@ -114,6 +122,7 @@ impl JournalStore for SqliteStore {
             .bind(&item.sender_name)
             .bind(&item.message_id)
             .bind(&item.payload)
+            .bind(item.input_policy.map(|p| p.as_str()))
             .bind(item.disposition.as_str())
             .bind(&item.reason)
             .bind(&item.submission_key)
@@ -121,6 +130,13 @@ impl JournalStore for SqliteStore {
             .bind(settled_at)
             .fetch_one(&mut *tx)
             .await?;
+            if item.closes_conversation {
+                sqlx::query("UPDATE conversations SET closed_at = ? WHERE id = ?")
+                    .bind(item.received_at)
+                    .bind(conversation_id)
+                    .execute(&mut *tx)
+                    .await?;
+            }
             outcomes.push(JournalOutcome::Accepted {
                 inbound_id,
                 conversation_id,
@@ -160,6 +176,7 @@ impl JournalStore for SqliteStore {
         inbound_id: i64,
         disposition: Disposition,
         reason: &str,
+        notice: Option<&NewOutboxItem>,
         now: i64,
     ) -> StoreResult<bool> {
         let mut tx = self.begin_write().await?;
@@ -173,8 +190,12 @@ impl JournalStore for SqliteStore {
         .bind(inbound_id)
         .execute(&mut *tx)
         .await?;
+        let changed = done.rows_affected() == 1;
+        if changed && let Some(notice) = notice {
+            insert_item(&mut tx, notice).await?;
+        }
         tx.commit().await?;
-        Ok(done.rows_affected() == 1)
+        Ok(changed)
     }
 
     async fn journal_get(&self, inbound_id: i64) -> StoreResult<Option<InboundRow>> {

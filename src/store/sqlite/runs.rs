@@ -1,47 +1,89 @@
 //! Durable runs of the built-in runtime on SQLite.
 
 use async_trait::async_trait;
-use sqlx::Row;
 use sqlx::sqlite::SqliteRow;
+use sqlx::{Row, Sqlite, Transaction};
 
 use super::outbox::insert_item;
 use super::{SqliteStore, bad_value, thread_from_db, thread_to_db};
 use crate::store::{
-    NewOutboxItem, NewRun, RunAdmission, RunFinish, RunRow, RunState, RunStore, StoreResult,
+    Admit, AdmitOutcome, AdmitTarget, InputRow, ItemKind, NewOutboxItem, NewRun, RunFinish,
+    RunMode, RunRow, RunState, RunStore, StopOutcome, StopRequest, StoreResult,
 };
 use crate::surface::SurfaceKind;
 
 macro_rules! run_columns {
     () => {
-        "id, idempotency_key, conversation_id, runtime, account, chat_id, thread_id, surface,
-         reply_to, input, state, priority, answer, reason, created_at, started_at, finished_at"
+        "id, conversation_id, runtime, account, chat_id, thread_id, surface, reply_to, mode,
+         state, priority, end_as, end_notice, prompt, answer, reason, absorbed_by, created_at,
+         started_at, finished_at"
     };
 }
 
-pub(super) const ADMIT: &str =
-    "INSERT INTO runs (idempotency_key, conversation_id, runtime, account, chat_id,
-        thread_id, surface, reply_to, input, state, priority, created_at)
-     VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 'queued', ?, ?)
-     ON CONFLICT (idempotency_key) DO NOTHING RETURNING id";
-pub(super) const FIND_BY_KEY: &str = "SELECT id, state FROM runs WHERE idempotency_key = ?";
+pub(super) const FIND_INPUT: &str = "SELECT i.run_id, r.state, r.absorbed_by
+     FROM run_inputs i JOIN runs r ON r.id = i.run_id WHERE i.idempotency_key = ?";
+pub(super) const INSERT_RUN: &str = "INSERT INTO runs (conversation_id, runtime, account, chat_id,
+        thread_id, surface, reply_to, mode, state, priority, created_at)
+     VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'queued', ?, ?) RETURNING id";
+pub(super) const INSERT_INPUT: &str = "INSERT INTO run_inputs (idempotency_key, run_id,
+        conversation_id, inbound_id, input, created_at)
+     VALUES (?, ?, ?, ?, ?, ?)";
+// A run the lane is executing may not have its `running` mark committed
+// yet, so `queued` is accepted too.
+pub(super) const REQUEST_INTERRUPT: &str =
+    "UPDATE runs SET state = 'interrupt_requested', end_as = ?,
+        end_notice = COALESCE(?, end_notice)
+     WHERE id = ? AND state IN ('queued', 'running')";
 pub(super) const START: &str =
     "UPDATE runs SET state = 'running', started_at = ? WHERE id = ? AND state = 'queued'";
-pub(super) const FINISH: &str = "UPDATE runs SET state = ?, answer = ?, reason = ?, finished_at = ?
+pub(super) const FINISH: &str = "UPDATE runs SET state = ?, answer = ?, prompt = ?, reason = ?,
+        finished_at = ?
      WHERE id = ? AND state IN ('queued', 'running', 'interrupt_requested')
-     RETURNING conversation_id, account, chat_id, thread_id, surface, reply_to";
+     RETURNING conversation_id, account, chat_id, thread_id, surface, reply_to, end_notice";
+pub(super) const ABSORB: &str =
+    "UPDATE runs SET state = 'absorbed', absorbed_by = ?, finished_at = ?
+     WHERE id = ? AND state = 'queued'";
+pub(super) const SETTLE_INPUTS: &str = "UPDATE inbound SET disposition = ?, reason = ?,
+        run_id = COALESCE(run_id, ?), settled_at = ?
+     WHERE id IN (SELECT inbound_id FROM run_inputs WHERE run_id = ? AND inbound_id IS NOT NULL)
+       AND disposition IN ('pending', 'admitted')";
+pub(super) const TERMINAL_EVENT: &str =
+    "INSERT INTO run_events (run_id, conversation_id, kind, state,
+        payload, created_at)
+     VALUES (?, ?, 'terminal', ?, ?, ?)";
 pub(super) const UNFINISHED: &str = concat!(
     "SELECT ",
     run_columns!(),
     " FROM runs WHERE state IN ('queued', 'running', 'interrupt_requested') AND id > ?
       ORDER BY id LIMIT ?"
 );
+pub(super) const HISTORY: &str = concat!(
+    "SELECT ",
+    run_columns!(),
+    " FROM runs WHERE conversation_id = ? AND state IN ('completed', 'interrupted') AND id < ?
+      ORDER BY id DESC LIMIT ?"
+);
+pub(super) const INPUTS: &str = "SELECT id, idempotency_key, run_id, conversation_id, inbound_id,
+        input, created_at
+     FROM run_inputs WHERE run_id = ? ORDER BY id";
+pub(super) const ACTIVE_OF_CONVERSATION: &str = "SELECT id, state FROM runs
+     WHERE conversation_id = ? AND state IN ('queued', 'running', 'interrupt_requested')
+     ORDER BY id";
+
+/// A confirmation kept on a run until it ends.
+#[derive(serde::Deserialize)]
+struct EndNotice {
+    item_key: String,
+    text: String,
+}
 
 fn run_from_row(row: &SqliteRow) -> StoreResult<RunRow> {
     let surface: String = row.try_get("surface")?;
     let state: String = row.try_get("state")?;
+    let mode: String = row.try_get("mode")?;
+    let end_as: Option<String> = row.try_get("end_as")?;
     Ok(RunRow {
         id: row.try_get("id")?,
-        idempotency_key: row.try_get("idempotency_key")?,
         conversation_id: row.try_get("conversation_id")?,
         runtime: row.try_get("runtime")?,
         account: row.try_get("account")?,
@@ -49,57 +91,161 @@ fn run_from_row(row: &SqliteRow) -> StoreResult<RunRow> {
         thread_id: thread_from_db(row.try_get("thread_id")?),
         surface: SurfaceKind::parse(&surface).ok_or_else(|| bad_value("surface", &surface))?,
         reply_to: row.try_get("reply_to")?,
-        input: row.try_get("input")?,
+        mode: RunMode::parse(&mode).ok_or_else(|| bad_value("mode", &mode))?,
         state: RunState::parse(&state).ok_or_else(|| bad_value("state", &state))?,
         priority: row.try_get("priority")?,
+        end_as: end_as
+            .map(|e| RunState::parse(&e).ok_or_else(|| bad_value("end_as", &e)))
+            .transpose()?,
+        end_notice: row.try_get("end_notice")?,
+        prompt: row.try_get("prompt")?,
         answer: row.try_get("answer")?,
         reason: row.try_get("reason")?,
+        absorbed_by: row.try_get("absorbed_by")?,
         created_at: row.try_get("created_at")?,
         started_at: row.try_get("started_at")?,
         finished_at: row.try_get("finished_at")?,
     })
 }
 
+async fn insert_run(tx: &mut Transaction<'static, Sqlite>, run: &NewRun) -> StoreResult<i64> {
+    let priority = i64::from(run.mode == RunMode::Urgent);
+    Ok(sqlx::query_scalar(INSERT_RUN)
+        .bind(run.conversation_id)
+        .bind(&run.runtime)
+        .bind(&run.account)
+        .bind(&run.chat_id)
+        .bind(thread_to_db(&run.thread_id))
+        .bind(run.surface.as_str())
+        .bind(&run.reply_to)
+        .bind(run.mode.as_str())
+        .bind(priority)
+        .bind(run.created_at)
+        .fetch_one(&mut **tx)
+        .await?)
+}
+
+/// Give the journal rows of a run's inputs a final disposition (cancelled,
+/// absorbed), unless they already have one.
+async fn settle_inputs(
+    tx: &mut Transaction<'static, Sqlite>,
+    run_id: i64,
+    disposition: &str,
+    reason: &str,
+    now: i64,
+) -> StoreResult<()> {
+    sqlx::query(SETTLE_INPUTS)
+        .bind(disposition)
+        .bind(reason)
+        .bind(run_id.to_string())
+        .bind(now)
+        .bind(run_id)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
 #[async_trait]
 impl RunStore for SqliteStore {
-    async fn runs_admit(&self, batch: &[NewRun]) -> StoreResult<Vec<RunAdmission>> {
+    async fn runs_admit(&self, batch: &[Admit]) -> StoreResult<Vec<AdmitOutcome>> {
         let mut tx = self.begin_write().await?;
-        let mut out = Vec::with_capacity(batch.len());
-        for run in batch {
-            let inserted: Option<i64> = sqlx::query_scalar(ADMIT)
-                .bind(&run.idempotency_key)
-                .bind(run.conversation_id)
-                .bind(&run.runtime)
-                .bind(&run.account)
-                .bind(&run.chat_id)
-                .bind(thread_to_db(&run.thread_id))
-                .bind(run.surface.as_str())
-                .bind(&run.reply_to)
-                .bind(&run.input)
-                .bind(run.priority)
-                .bind(run.created_at)
+        let mut out: Vec<AdmitOutcome> = Vec::with_capacity(batch.len());
+        for admit in batch {
+            if let Some(row) = sqlx::query(FIND_INPUT)
+                .bind(&admit.idempotency_key)
                 .fetch_optional(&mut *tx)
-                .await?;
-            let admission = match inserted {
-                Some(run_id) => RunAdmission {
-                    run_id,
-                    new: true,
-                    state: RunState::Queued,
+                .await?
+            {
+                let state: String = row.try_get(1)?;
+                out.push(AdmitOutcome {
+                    run_id: row.try_get(0)?,
+                    new: false,
+                    state: RunState::parse(&state).ok_or_else(|| bad_value("state", &state))?,
+                    absorbed_by: row.try_get(2)?,
+                });
+                continue;
+            }
+            let target = match &admit.target {
+                AdmitTarget::JoinBatch { index } => match out.get(*index) {
+                    Some(earlier) => AdmitTarget::Join {
+                        run_id: earlier.run_id,
+                    },
+                    None => {
+                        return Err(crate::store::StoreError::Other(format!(
+                            "admission refers to batch item {index}, which comes later"
+                        )));
+                    }
                 },
-                None => {
-                    let row = sqlx::query(FIND_BY_KEY)
-                        .bind(&run.idempotency_key)
-                        .fetch_one(&mut *tx)
-                        .await?;
-                    let state: String = row.try_get(1)?;
-                    RunAdmission {
-                        run_id: row.try_get(0)?,
-                        new: false,
-                        state: RunState::parse(&state).ok_or_else(|| bad_value("state", &state))?,
+                other => other.clone(),
+            };
+            let run_id = match &target {
+                AdmitTarget::NewRun(run) => insert_run(&mut tx, run).await?,
+                AdmitTarget::JoinBatch { .. } => unreachable!("resolved above"),
+                AdmitTarget::Join { run_id } => {
+                    let joinable = sqlx::query(concat!(
+                        "SELECT ",
+                        run_columns!(),
+                        " FROM runs WHERE id = ?"
+                    ))
+                    .bind(run_id)
+                    .fetch_optional(&mut *tx)
+                    .await?
+                    .as_ref()
+                    .map(run_from_row)
+                    .transpose()?;
+                    match joinable {
+                        Some(r) if r.state == RunState::Queued && r.mode == RunMode::Ordinary => {
+                            *run_id
+                        }
+                        // The run started meanwhile: the input gets its own.
+                        Some(r) => {
+                            insert_run(
+                                &mut tx,
+                                &NewRun {
+                                    conversation_id: r.conversation_id,
+                                    runtime: r.runtime,
+                                    account: r.account,
+                                    chat_id: r.chat_id,
+                                    thread_id: r.thread_id,
+                                    surface: r.surface,
+                                    reply_to: r.reply_to,
+                                    mode: RunMode::Ordinary,
+                                    created_at: admit.created_at,
+                                },
+                            )
+                            .await?
+                        }
+                        None => {
+                            return Err(crate::store::StoreError::Other(format!(
+                                "cannot join run {run_id}: no such run"
+                            )));
+                        }
                     }
                 }
             };
-            out.push(admission);
+            sqlx::query(INSERT_INPUT)
+                .bind(&admit.idempotency_key)
+                .bind(run_id)
+                .bind(admit.conversation_id)
+                .bind(admit.inbound_id)
+                .bind(&admit.input)
+                .bind(admit.created_at)
+                .execute(&mut *tx)
+                .await?;
+            if let Some((running, end_as)) = admit.interrupt {
+                sqlx::query(REQUEST_INTERRUPT)
+                    .bind(end_as.as_str())
+                    .bind(None::<String>)
+                    .bind(running)
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            out.push(AdmitOutcome {
+                run_id,
+                new: true,
+                state: RunState::Queued,
+                absorbed_by: None,
+            });
         }
         tx.commit().await?;
         Ok(out)
@@ -128,6 +274,7 @@ impl RunStore for SqliteStore {
             let routed = sqlx::query(FINISH)
                 .bind(finish.state.as_str())
                 .bind(&finish.answer)
+                .bind(&finish.prompt)
                 .bind(&finish.reason)
                 .bind(finish.now)
                 .bind(finish.run_id)
@@ -137,13 +284,14 @@ impl RunStore for SqliteStore {
                 out.push(false);
                 continue;
             };
+            let conversation_id: i64 = route.try_get("conversation_id")?;
             let surface: String = route.try_get("surface")?;
             let surface =
                 SurfaceKind::parse(&surface).ok_or_else(|| bad_value("surface", &surface))?;
             for reply in &finish.replies {
                 let item = NewOutboxItem {
                     item_key: reply.item_key.clone(),
-                    conversation_id: route.try_get("conversation_id")?,
+                    conversation_id,
                     account: route.try_get("account")?,
                     chat_id: route.try_get("chat_id")?,
                     thread_id: thread_from_db(route.try_get("thread_id")?),
@@ -156,15 +304,170 @@ impl RunStore for SqliteStore {
                 };
                 insert_item(&mut tx, &item).await?;
             }
+            let end_notice: Option<String> = route.try_get("end_notice")?;
+            if let Some(notice) =
+                end_notice.and_then(|n| serde_json::from_str::<EndNotice>(&n).ok())
+            {
+                let item = NewOutboxItem {
+                    item_key: notice.item_key,
+                    conversation_id,
+                    account: route.try_get("account")?,
+                    chat_id: route.try_get("chat_id")?,
+                    thread_id: thread_from_db(route.try_get("thread_id")?),
+                    surface,
+                    reply_to: None,
+                    run_id: Some(finish.run_id.to_string()),
+                    kind: ItemKind::Notice,
+                    text: notice.text,
+                    created_at: finish.now,
+                };
+                insert_item(&mut tx, &item).await?;
+            }
+            if finish.state == RunState::Completed {
+                for absorbed in &finish.absorb {
+                    let done = sqlx::query(ABSORB)
+                        .bind(finish.run_id)
+                        .bind(finish.now)
+                        .bind(absorbed)
+                        .execute(&mut *tx)
+                        .await?;
+                    if done.rows_affected() == 1 {
+                        settle_inputs(
+                            &mut tx,
+                            *absorbed,
+                            "absorbed",
+                            &format!("answered by run {}", finish.run_id),
+                            finish.now,
+                        )
+                        .await?;
+                    }
+                }
+            }
+            if matches!(finish.state, RunState::Cancelled) {
+                let reason = finish.reason.as_deref().unwrap_or("cancelled");
+                settle_inputs(&mut tx, finish.run_id, "cancelled", reason, finish.now).await?;
+            }
+            let payload = serde_json::json!({
+                "state": finish.state.as_str(),
+                "answer": finish.answer,
+                "reason": finish.reason,
+                "absorbed": finish.absorb,
+            });
+            sqlx::query(TERMINAL_EVENT)
+                .bind(finish.run_id)
+                .bind(conversation_id)
+                .bind(finish.state.as_str())
+                .bind(payload.to_string())
+                .bind(finish.now)
+                .execute(&mut *tx)
+                .await?;
             out.push(true);
         }
         tx.commit().await?;
         Ok(out)
     }
 
+    async fn runs_stop(&self, request: &StopRequest) -> StoreResult<StopOutcome> {
+        let mut tx = self.begin_write().await?;
+        let active = sqlx::query(ACTIVE_OF_CONVERSATION)
+            .bind(request.conversation_id)
+            .fetch_all(&mut *tx)
+            .await?;
+        let mut outcome = StopOutcome::default();
+        for row in active {
+            let id: i64 = row.try_get(0)?;
+            let state: String = row.try_get(1)?;
+            match RunState::parse(&state) {
+                Some(RunState::Queued) => {
+                    sqlx::query(
+                        "UPDATE runs SET state = 'cancelled', reason = ?, finished_at = ? WHERE id = ?",
+                    )
+                    .bind(&request.reason)
+                    .bind(request.now)
+                    .bind(id)
+                    .execute(&mut *tx)
+                    .await?;
+                    settle_inputs(&mut tx, id, "cancelled", &request.reason, request.now).await?;
+                    sqlx::query(TERMINAL_EVENT)
+                        .bind(id)
+                        .bind(request.conversation_id)
+                        .bind("cancelled")
+                        .bind(
+                            serde_json::json!({"state": "cancelled", "reason": request.reason})
+                                .to_string(),
+                        )
+                        .bind(request.now)
+                        .execute(&mut *tx)
+                        .await?;
+                    outcome.cancelled.push(id);
+                }
+                Some(RunState::Running) | Some(RunState::InterruptRequested) => {
+                    // The confirmation is sent after the run's last words,
+                    // by whoever ends it (this process, or recovery).
+                    let notice = request.notice.as_ref().map(|n| {
+                        serde_json::json!({"item_key": n.item_key, "text": n.text}).to_string()
+                    });
+                    sqlx::query(
+                        "UPDATE runs SET state = 'interrupt_requested',
+                            end_as = COALESCE(end_as, 'interrupted'), end_notice = ?
+                         WHERE id = ?",
+                    )
+                    .bind(notice)
+                    .bind(id)
+                    .execute(&mut *tx)
+                    .await?;
+                    outcome.interrupted = Some(id);
+                }
+                _ => {}
+            }
+        }
+        if outcome.interrupted.is_none()
+            && let Some(notice) = &request.notice
+        {
+            insert_item(&mut tx, notice).await?;
+        }
+        tx.commit().await?;
+        Ok(outcome)
+    }
+
     async fn runs_unfinished(&self, after_id: i64, limit: usize) -> StoreResult<Vec<RunRow>> {
         let rows = sqlx::query(UNFINISHED)
             .bind(after_id)
+            .bind(limit as i64)
+            .fetch_all(&self.reader)
+            .await?;
+        rows.iter().map(run_from_row).collect()
+    }
+
+    async fn run_inputs(&self, run_id: i64) -> StoreResult<Vec<InputRow>> {
+        let rows = sqlx::query(INPUTS)
+            .bind(run_id)
+            .fetch_all(&self.reader)
+            .await?;
+        rows.iter()
+            .map(|row| {
+                Ok(InputRow {
+                    id: row.try_get("id")?,
+                    idempotency_key: row.try_get("idempotency_key")?,
+                    run_id: row.try_get("run_id")?,
+                    conversation_id: row.try_get("conversation_id")?,
+                    inbound_id: row.try_get("inbound_id")?,
+                    input: row.try_get("input")?,
+                    created_at: row.try_get("created_at")?,
+                })
+            })
+            .collect()
+    }
+
+    async fn runs_history(
+        &self,
+        conversation_id: i64,
+        before_run: i64,
+        limit: usize,
+    ) -> StoreResult<Vec<RunRow>> {
+        let rows = sqlx::query(HISTORY)
+            .bind(conversation_id)
+            .bind(before_run)
             .bind(limit as i64)
             .fetch_all(&self.reader)
             .await?;
