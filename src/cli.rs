@@ -6,7 +6,8 @@ use std::fmt::Write as _;
 use switchboard_channel::Content;
 
 use crate::store::{
-    DispatchState, Disposition, InboundRow, OutboxFilter, OutboxItem, SharedStore, StoreResult,
+    DispatchState, Disposition, InboundRow, OutboxFilter, OutboxItem, RunRow, RunState,
+    SharedStore, StoreResult,
 };
 
 /// A plain text table: a header row, then rows, columns padded to fit.
@@ -133,6 +134,50 @@ pub fn outbox_table(items: &[OutboxItem]) -> String {
         ]);
     }
     table.render()
+}
+
+pub fn runs_table(runs: &[RunRow]) -> String {
+    let mut table = Table::new(vec![
+        "ID",
+        "CONV",
+        "MODE",
+        "STATE",
+        "ABSORBED BY",
+        "PROMPT",
+        "ANSWER",
+        "REASON",
+    ]);
+    for r in runs {
+        let prompt = r
+            .prompt
+            .as_deref()
+            .and_then(|p| serde_json::from_str::<Vec<String>>(p).ok())
+            .map(|p| p.join(" | "))
+            .unwrap_or_else(|| "-".to_owned());
+        table.row(vec![
+            r.id.to_string(),
+            r.conversation_id.to_string(),
+            r.mode.to_string(),
+            r.state.to_string(),
+            r.absorbed_by.map_or("-".to_owned(), |a| a.to_string()),
+            cell(&prompt, 30),
+            cell(r.answer.as_deref().unwrap_or("-"), 40),
+            cell(r.reason.as_deref().unwrap_or("-"), 50),
+        ]);
+    }
+    table.render()
+}
+
+/// `switchboard runs list`.
+pub async fn runs_list(
+    store: &SharedStore,
+    conversation_id: Option<i64>,
+    state: Option<RunState>,
+    limit: usize,
+) -> StoreResult<String> {
+    Ok(runs_table(
+        &store.runs_list(conversation_id, state, limit).await?,
+    ))
 }
 
 /// `switchboard inbound list`.

@@ -9,7 +9,7 @@ use futures::StreamExt;
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use switchboard::config::{Config, ConfigError, EXIT_CONFIG, LogFormat};
 use switchboard::store::sqlite::OpenMode;
-use switchboard::store::{self, DispatchState, Disposition};
+use switchboard::store::{self, DispatchState, Disposition, RunState};
 
 #[derive(Parser)]
 #[command(
@@ -53,6 +53,28 @@ enum Command {
     Outbox {
         #[command(subcommand)]
         command: OutboxCommand,
+    },
+    /// Runs of the built-in runtime.
+    Runs {
+        #[command(subcommand)]
+        command: RunsCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum RunsCommand {
+    /// Runs, newest first: mode, state, what they answered.
+    List {
+        #[command(flatten)]
+        config: ConfigArg,
+        /// Only runs of this conversation.
+        #[arg(long)]
+        conversation: Option<i64>,
+        /// Only runs in this state (queued, running, interrupt_requested, completed, interrupted, superseded, absorbed, cancelled, failed).
+        #[arg(long)]
+        state: Option<String>,
+        #[arg(long, default_value_t = 50)]
+        limit: usize,
     },
 }
 
@@ -211,6 +233,31 @@ async fn dispatch(command: Command) -> ExitCode {
                 Err(code) => return code,
             };
             print_or_fail(switchboard::cli::outbox_list(&store, state, conversation, limit).await)
+        }
+        Command::Runs {
+            command:
+                RunsCommand::List {
+                    config,
+                    conversation,
+                    state,
+                    limit,
+                },
+        } => {
+            let state = match parse_choice(
+                state,
+                "run state",
+                RunState::parse,
+                RunState::ALL,
+                RunState::as_str,
+            ) {
+                Ok(s) => s,
+                Err(code) => return code,
+            };
+            let store = match open_store(&config).await {
+                Ok(s) => s,
+                Err(code) => return code,
+            };
+            print_or_fail(switchboard::cli::runs_list(&store, conversation, state, limit).await)
         }
     }
 }

@@ -597,20 +597,22 @@ mod suite {
             .iter()
             .map(|o| o.run_id)
             .collect();
-        let states = [
-            RunState::Completed,
-            RunState::Superseded,
-            RunState::Interrupted,
-            RunState::Failed,
-            RunState::Completed,
+        // They finish out of id order (an urgent run overtaking older ones).
+        let finishes = [
+            (runs[4], RunState::Completed, 5_000),
+            (runs[1], RunState::Superseded, 5_100),
+            (runs[0], RunState::Completed, 5_200),
+            (runs[3], RunState::Failed, 5_300),
+            (runs[2], RunState::Interrupted, 5_400),
         ];
-        for (run, state) in runs.iter().zip(states) {
-            let mut f = finish(*run, &format!("r{run}"), "x");
+        for (run, state, at) in finishes {
+            let mut f = finish(run, &format!("r{run}"), "x");
             f.state = state;
+            f.now = at;
             store.runs_finish(&[f]).await.unwrap();
         }
         let history: Vec<(i64, RunState)> = store
-            .runs_history(9, runs[4], 10)
+            .runs_history(9, 10)
             .await
             .unwrap()
             .iter()
@@ -620,12 +622,13 @@ mod suite {
             history,
             [
                 (runs[2], RunState::Interrupted),
-                (runs[0], RunState::Completed)
+                (runs[0], RunState::Completed),
+                (runs[4], RunState::Completed)
             ],
-            "newest first, before the asking run, only turns that reach prompts"
+            "the last to finish first, only turns that reach prompts"
         );
         assert_eq!(
-            store.runs_history(9, i64::MAX, 1).await.unwrap().len(),
+            store.runs_history(9, 1).await.unwrap().len(),
             1,
             "bounded by the limit"
         );

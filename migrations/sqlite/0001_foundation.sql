@@ -81,8 +81,9 @@ CREATE INDEX runs_by_conversation ON runs (conversation_id, id);
 -- A conversation's runs that are not finished (what /stop acts on).
 CREATE INDEX runs_active ON runs (conversation_id, id)
     WHERE state IN ('queued', 'running', 'interrupt_requested');
--- The history of a conversation: runs whose answer reaches later prompts.
-CREATE INDEX runs_history ON runs (conversation_id, id)
+-- The history of a conversation: runs whose answer reaches later prompts,
+-- in the order they finished (an urgent run can finish before an older one).
+CREATE INDEX runs_history ON runs (conversation_id, finished_at)
     WHERE state IN ('completed', 'interrupted');
 
 -- Inputs: what was submitted, under which idempotency key, owned by which

@@ -110,15 +110,21 @@ pub trait RunStore: Send + Sync {
     async fn run_inputs(&self, run_id: i64) -> StoreResult<Vec<InputRow>>;
 
     /// The conversation's most recent turns that reach prompts (completed
-    /// and interrupted runs) older than `before_run`, newest first.
-    async fn runs_history(
-        &self,
-        conversation_id: i64,
-        before_run: i64,
-        limit: usize,
-    ) -> StoreResult<Vec<RunRow>>;
+    /// and interrupted runs), the last to finish first. (Runs of one
+    /// conversation run one at a time, so these all finished before the run
+    /// that asks.)
+    async fn runs_history(&self, conversation_id: i64, limit: usize) -> StoreResult<Vec<RunRow>>;
 
     async fn run_get(&self, run_id: i64) -> StoreResult<Option<RunRow>>;
+
+    /// Newest first, at most `limit`, optionally one conversation and/or
+    /// one state (an operator's view; not a hot path).
+    async fn runs_list(
+        &self,
+        conversation_id: Option<i64>,
+        state: Option<RunState>,
+        limit: usize,
+    ) -> StoreResult<Vec<RunRow>>;
 }
 
 /// The outbox: reply items and their dispatch states (DESIGN.md §4).

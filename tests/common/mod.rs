@@ -4,6 +4,8 @@
 
 #![allow(dead_code)]
 
+pub mod openai;
+
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, TcpListener as StdListener};
 use std::path::{Path, PathBuf};
@@ -152,6 +154,8 @@ pub struct DaemonConfig {
     pub channel_extra: String,
     /// The echo model's per-word delay.
     pub token_delay_ms: u64,
+    /// Replaces the body of `[runtimes.default]` when set.
+    pub runtime: Option<String>,
 }
 
 impl DaemonConfig {
@@ -163,6 +167,7 @@ impl DaemonConfig {
             extra: String::new(),
             channel_extra: String::new(),
             token_delay_ms: 0,
+            runtime: None,
         }
     }
 
@@ -182,8 +187,7 @@ listen = "127.0.0.1:{admin}"
 level = "info"
 
 [runtimes.default]
-kind = "local"
-model = {{ backend = "echo", token_delay_ms = {delay} }}
+{runtime}
 
 [channels.main]
 kind = "webhook"
@@ -207,7 +211,10 @@ force_secs = 2
             db = dir.join("switchboard.db").display(),
             server = self.server_port,
             admin = self.admin_port,
-            delay = self.token_delay_ms,
+            runtime = self.runtime.clone().unwrap_or_else(|| format!(
+                "kind = \"local\"\nmodel = {{ backend = \"echo\", token_delay_ms = {} }}",
+                self.token_delay_ms
+            )),
             callback = self.callback_url,
             channel_extra = self.channel_extra,
             extra = self.extra,
@@ -405,5 +412,45 @@ pub async fn post_until_accepted(
             "update {body} was never accepted"
         );
         tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+/// The daemon's store, opened beside it the way operator tools open it.
+pub async fn open_store(dir: &Path) -> switchboard::store::SharedStore {
+    let config = switchboard::config::StoreConfig {
+        url: format!("sqlite://{}", dir.join("switchboard.db").display()),
+        synchronous: switchboard::config::Synchronous::Full,
+        batch_size: 64,
+    };
+    switchboard::store::open(&config, switchboard::store::sqlite::OpenMode::Tool)
+        .await
+        .unwrap()
+}
+
+/// The run a journal row was admitted to, once it was.
+pub async fn run_of(
+    store: &switchboard::store::SharedStore,
+    inbound_id: i64,
+) -> Option<switchboard::store::RunRow> {
+    let row = store.journal_get(inbound_id).await.unwrap()?;
+    let run_id: i64 = row.run_id?.parse().unwrap();
+    store.run_get(run_id).await.unwrap()
+}
+
+/// Poll `check` until it holds or `timeout` passes; returns whether it held.
+pub async fn eventually<F, Fut>(timeout: Duration, mut check: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if check().await {
+            return true;
+        }
+        if Instant::now() > deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(15)).await;
     }
 }

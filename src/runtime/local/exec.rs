@@ -52,7 +52,7 @@ impl Inner {
         });
         let past = match self
             .store
-            .runs_history(conversation_id, run_id, self.history.max_turns)
+            .runs_history(conversation_id, self.history.max_turns)
             .await
         {
             Ok(past) => past,

@@ -23,6 +23,17 @@ impl QueuedRun {
     fn priority(&self) -> i64 {
         i64::from(self.mode == RunMode::Urgent)
     }
+
+    /// Execution order: urgent first, then by arrival. Runs not admitted yet
+    /// (negative provisional ids, -1 first) come after every admitted run.
+    fn order(&self) -> (i64, i64) {
+        let arrival = if self.run_id >= 0 {
+            self.run_id
+        } else {
+            i64::MAX / 2 - self.run_id
+        };
+        (-self.priority(), arrival)
+    }
 }
 
 /// An inject input offered to the running run.
@@ -282,7 +293,7 @@ impl Lane {
         let at = self
             .queue
             .iter()
-            .position(|q| (q.priority(), -q.run_id) < (run.priority(), -run.run_id))
+            .position(|q| q.order() > run.order())
             .unwrap_or(self.queue.len());
         self.queue.insert(at, run);
     }
@@ -352,6 +363,17 @@ mod tests {
         lane.insert(queued(5, RunMode::Urgent));
         let order: Vec<i64> = std::iter::from_fn(|| lane.pop_next().map(|q| q.run_id)).collect();
         assert_eq!(order, [3, 5, 2, 4]);
+    }
+
+    #[test]
+    fn runs_not_admitted_yet_queue_after_admitted_ones_in_arrival_order() {
+        let mut lane = Lane::default();
+        lane.insert(queued(-1, RunMode::Ordinary));
+        lane.insert(queued(7, RunMode::Ordinary));
+        lane.insert(queued(-2, RunMode::Ordinary));
+        lane.insert(queued(-3, RunMode::Urgent));
+        let order: Vec<i64> = lane.queue.iter().map(|q| q.run_id).collect();
+        assert_eq!(order, [-3, 7, -1, -2]);
     }
 
     #[test]

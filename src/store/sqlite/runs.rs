@@ -60,8 +60,8 @@ pub(super) const UNFINISHED: &str = concat!(
 pub(super) const HISTORY: &str = concat!(
     "SELECT ",
     run_columns!(),
-    " FROM runs WHERE conversation_id = ? AND state IN ('completed', 'interrupted') AND id < ?
-      ORDER BY id DESC LIMIT ?"
+    " FROM runs WHERE conversation_id = ? AND state IN ('completed', 'interrupted')
+      ORDER BY finished_at DESC LIMIT ?"
 );
 pub(super) const INPUTS: &str = "SELECT id, idempotency_key, run_id, conversation_id, inbound_id,
         input, created_at
@@ -459,18 +459,47 @@ impl RunStore for SqliteStore {
             .collect()
     }
 
-    async fn runs_history(
-        &self,
-        conversation_id: i64,
-        before_run: i64,
-        limit: usize,
-    ) -> StoreResult<Vec<RunRow>> {
+    async fn runs_history(&self, conversation_id: i64, limit: usize) -> StoreResult<Vec<RunRow>> {
         let rows = sqlx::query(HISTORY)
             .bind(conversation_id)
-            .bind(before_run)
             .bind(limit as i64)
             .fetch_all(&self.reader)
             .await?;
+        rows.iter().map(run_from_row).collect()
+    }
+
+    async fn runs_list(
+        &self,
+        conversation_id: Option<i64>,
+        state: Option<RunState>,
+        limit: usize,
+    ) -> StoreResult<Vec<RunRow>> {
+        let rows = match conversation_id {
+            Some(c) => {
+                sqlx::query(concat!(
+                    "SELECT ",
+                    run_columns!(),
+                    " FROM runs WHERE conversation_id = ?1 AND (?2 IS NULL OR state = ?2)
+                      ORDER BY id DESC LIMIT ?3"
+                ))
+                .bind(c)
+                .bind(state.map(|s| s.as_str()))
+                .bind(limit as i64)
+                .fetch_all(&self.reader)
+                .await?
+            }
+            None => {
+                sqlx::query(concat!(
+                    "SELECT ",
+                    run_columns!(),
+                    " FROM runs WHERE (?1 IS NULL OR state = ?1) ORDER BY id DESC LIMIT ?2"
+                ))
+                .bind(state.map(|s| s.as_str()))
+                .bind(limit as i64)
+                .fetch_all(&self.reader)
+                .await?
+            }
+        };
         rows.iter().map(run_from_row).collect()
     }
 
