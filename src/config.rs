@@ -394,6 +394,9 @@ pub struct Messages {
     /// Appended to the partial answer of an interrupted run.
     #[serde(default = "default_msg_interrupted_marker")]
     pub interrupted_marker: String,
+    /// What a streaming preview becomes when its run is superseded.
+    #[serde(default = "default_msg_discarded_marker")]
+    pub discarded_marker: String,
     /// The confirmation of `/stop`.
     #[serde(default = "default_msg_stopped")]
     pub stopped: String,
@@ -413,6 +416,7 @@ impl Default for Messages {
             runtime_unreachable: default_msg_runtime_unreachable(),
             queue_full: default_msg_queue_full(),
             interrupted_marker: default_msg_interrupted_marker(),
+            discarded_marker: default_msg_discarded_marker(),
             stopped: default_msg_stopped(),
             new_conversation: default_msg_new_conversation(),
             help: default_msg_help(),
@@ -434,6 +438,9 @@ fn default_msg_queue_full() -> String {
 }
 fn default_msg_interrupted_marker() -> String {
     "[interrupted]".into()
+}
+fn default_msg_discarded_marker() -> String {
+    "[discarded]".into()
 }
 fn default_msg_stopped() -> String {
     "Stopped.".into()
@@ -495,6 +502,11 @@ pub struct WebhookChannelConfig {
     /// Seconds one callback POST may take before its outcome is ambiguous.
     #[serde(default = "default_callback_timeout_secs")]
     pub callback_timeout_secs: u64,
+    /// Longest reply text one callback carries, in characters; longer
+    /// answers are split into several replies (at paragraphs, lines,
+    /// words; code fences closed and reopened).
+    #[serde(default = "default_max_reply_chars")]
+    pub max_reply_chars: usize,
     /// Surface settings for this account only, by surface name.
     #[serde(default)]
     pub surfaces: BTreeMap<String, SurfaceSettings>,
@@ -505,6 +517,10 @@ pub struct WebhookChannelConfig {
 
 fn default_callback_timeout_secs() -> u64 {
     10
+}
+
+fn default_max_reply_chars() -> usize {
+    65_536
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -534,6 +550,14 @@ pub struct OutboxConfig {
     /// How often the reconciler looks for expired leases, in seconds.
     #[serde(default = "default_reconcile_interval_secs")]
     pub reconcile_interval_secs: u64,
+    /// Streaming surfaces: at most one transient edit of a preview per chat
+    /// this often, in milliseconds.
+    #[serde(default = "default_edit_interval_ms")]
+    pub edit_interval_ms: u64,
+    /// Terminal-only surfaces: how often the typing indicator is renewed
+    /// while a run is active, in milliseconds.
+    #[serde(default = "default_typing_interval_ms")]
+    pub typing_interval_ms: u64,
 }
 
 impl Default for OutboxConfig {
@@ -546,6 +570,8 @@ impl Default for OutboxConfig {
             lease_secs: default_lease_secs(),
             reconcile_after_secs: default_reconcile_after_secs(),
             reconcile_interval_secs: default_reconcile_interval_secs(),
+            edit_interval_ms: default_edit_interval_ms(),
+            typing_interval_ms: default_typing_interval_ms(),
         }
     }
 }
@@ -570,6 +596,12 @@ fn default_reconcile_after_secs() -> u64 {
 }
 fn default_reconcile_interval_secs() -> u64 {
     5
+}
+fn default_edit_interval_ms() -> u64 {
+    1000
+}
+fn default_typing_interval_ms() -> u64 {
+    4000
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -898,6 +930,12 @@ impl Config {
                         problem(
                             format!("channels.{name}.secret"),
                             "is empty; remove it to accept unauthenticated updates, or set a secret".into(),
+                        );
+                    }
+                    if w.max_reply_chars < 64 {
+                        problem(
+                            format!("channels.{name}.max_reply_chars"),
+                            "is below 64; replies that short cannot hold a code fence line".into(),
                         );
                     }
                     if w.callback_timeout_secs == 0 {

@@ -28,8 +28,12 @@ use crate::clock::{SharedClock, SystemClock};
 use crate::config::{ChannelConfig, Config, RuntimeConfig, parse_listen};
 use crate::ingress::{AccountInfo, Ingress};
 use crate::observe::{Observer, SharedObserver};
+use crate::outbox::ChatLocks;
 use crate::outbox::dispatcher::Dispatcher;
+use crate::outbox::rate::RateLimiter;
 use crate::outbox::reconcile::Reconciler;
+use crate::outbox::shape::Shaper;
+use crate::outbox::stream::Streamer;
 use crate::runtime::Runtime;
 use crate::runtime::local::{Deps, LocalRuntime};
 use crate::store::sqlite::OpenMode;
@@ -87,29 +91,6 @@ impl Daemon {
         let dispatcher_wake = Arc::new(Notify::new());
         let owner = lease_owner(clock.now_ms());
 
-        // Runtimes, by name.
-        let mut runtimes: HashMap<String, Arc<dyn Runtime>> = HashMap::new();
-        for (name, runtime) in &config.runtimes {
-            let built: Arc<dyn Runtime> = match runtime {
-                RuntimeConfig::Local(local) => Arc::new(
-                    LocalRuntime::new(
-                        name,
-                        local,
-                        Deps {
-                            store: store.clone(),
-                            batch_size: config.store.batch_size,
-                            messages: config.messages.clone(),
-                            clock: clock.clone(),
-                            observer: observer.clone(),
-                            outbox_wake: dispatcher_wake.clone(),
-                        },
-                    )
-                    .map_err(anyhow::Error::msg)?,
-                ),
-            };
-            runtimes.insert(name.clone(), built);
-        }
-
         // Channel accounts: their ingress side and their adapters.
         let mut accounts = Vec::new();
         let mut adapters: HashMap<String, Arc<dyn ChannelAdapter>> = HashMap::new();
@@ -124,8 +105,13 @@ impl Daemon {
                         .map_err(|e| anyhow::anyhow!("channels.{name}.secret_file: {e}"))?;
                     let url = reqwest::Url::parse(&w.callback_url)
                         .with_context(|| format!("channels.{name}.callback_url"))?;
-                    let sender = WebhookSender::new(identity.clone(), url, w.callback_timeout())
-                        .with_context(|| format!("building the HTTP client of channels.{name}"))?;
+                    let sender = WebhookSender::new(
+                        identity.clone(),
+                        url,
+                        w.callback_timeout(),
+                        w.max_reply_chars,
+                    )
+                    .with_context(|| format!("building the HTTP client of channels.{name}"))?;
                     adapters.insert(identity.clone(), Arc::new(sender));
                     webhook_accounts.insert(name.clone(), IngressAccount { secret });
                     account_names.insert(identity.clone(), (name.clone(), w.runtime.clone()));
@@ -136,6 +122,34 @@ impl Daemon {
                     });
                 }
             }
+        }
+
+        // Replies are shaped (split at each platform's limit) by the runtimes
+        // that write them.
+        let shaper = Shaper::new(adapters.clone());
+
+        // Runtimes, by name.
+        let mut runtimes: HashMap<String, Arc<dyn Runtime>> = HashMap::new();
+        for (name, runtime) in &config.runtimes {
+            let built: Arc<dyn Runtime> = match runtime {
+                RuntimeConfig::Local(local) => Arc::new(
+                    LocalRuntime::new(
+                        name,
+                        local,
+                        Deps {
+                            store: store.clone(),
+                            batch_size: config.store.batch_size,
+                            messages: config.messages.clone(),
+                            shaper: shaper.clone(),
+                            clock: clock.clone(),
+                            observer: observer.clone(),
+                            outbox_wake: dispatcher_wake.clone(),
+                        },
+                    )
+                    .map_err(anyhow::Error::msg)?,
+                ),
+            };
+            runtimes.insert(name.clone(), built);
         }
 
         let (ingress, _journal_task) = Ingress::start(
@@ -161,7 +175,11 @@ impl Daemon {
         let admin_addr = admin_listener.local_addr()?;
         let sink: Arc<dyn IngressSink> = ingress.clone();
         let public = switchboard_webhook::router(webhook_accounts, sink, config.server.body_limit);
-        let admin = crate::admin::router(observer.clone());
+        let admin = crate::admin::router(crate::admin::AdminState {
+            observer: observer.clone(),
+            store: store.clone(),
+            clock: clock.clone(),
+        });
         let listeners = vec![
             spawn_server("server", server_listener, public, listeners_stop.clone()),
             spawn_server("admin", admin_listener, admin, listeners_stop.clone()),
@@ -172,9 +190,31 @@ impl Daemon {
             .iter()
             .map(|(id, a)| (id.clone(), a.capabilities()))
             .collect();
+        let rate = Arc::new(RateLimiter::new(
+            adapters
+                .iter()
+                .map(|(id, a)| (id.clone(), a.limits()))
+                .collect(),
+        ));
+        let chat_locks = Arc::new(ChatLocks::default());
+        let streamer = Arc::new(Streamer {
+            store: store.clone(),
+            adapters: adapters.clone(),
+            config: config.clone(),
+            account_names: account_names
+                .iter()
+                .map(|(id, (name, _))| (id.clone(), name.clone()))
+                .collect(),
+            rate: rate.clone(),
+            chat_locks: chat_locks.clone(),
+            clock: clock.clone(),
+            dispatcher_wake: dispatcher_wake.clone(),
+        });
         let dispatcher = Dispatcher::new(
             store.clone(),
             adapters,
+            rate.clone(),
+            chat_locks.clone(),
             config.outbox.clone(),
             clock.clone(),
             observer.clone(),
@@ -201,6 +241,12 @@ impl Daemon {
         };
 
         let workers_stop = CancellationToken::new();
+        for runtime in runtimes.values() {
+            let streamer = streamer.clone();
+            let deltas = runtime.deltas();
+            let stop = workers_stop.clone();
+            tokio::spawn(async move { streamer.run(deltas, stop).await });
+        }
         let dispatch_stop = CancellationToken::new();
         let dispatch_deadline = CancellationToken::new();
         let dispatcher = {

@@ -259,6 +259,9 @@ fn print_event(started: Instant, event: &Event) {
             detail,
         } => format!("send     {item_key}: {kind}: {detail}"),
         Event::Reconciled { item_key, action } => format!("reconcile {item_key}: {action}"),
+        Event::Fenced { item_key } => {
+            format!("fenced   {item_key}: a stale worker's outcome was rejected")
+        }
     };
     println!("{at:>7}  {line}");
 }

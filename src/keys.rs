@@ -20,6 +20,16 @@ pub fn answer_item_key(run_id: &str, part: usize) -> String {
     format!("run-{run_id}-answer-{part}")
 }
 
+/// The group of the chunks of a run's final answer.
+pub fn answer_group(run_id: &str) -> String {
+    format!("run-{run_id}-answer")
+}
+
+/// The reply item key of a run's streaming preview.
+pub fn preview_item_key(run_id: &str) -> String {
+    format!("run-{run_id}-preview")
+}
+
 /// The reply item key of a notice a run sends (a failure notice).
 pub fn run_notice_key(run_id: i64, what: &str) -> String {
     format!("run-{run_id}-{what}")

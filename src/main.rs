@@ -61,6 +61,20 @@ enum Command {
     },
 }
 
+#[derive(clap::Args)]
+#[group(required = true, multiple = false)]
+struct ResolveAction {
+    /// The message did reach the user: mark it acknowledged.
+    #[arg(long)]
+    as_sent: bool,
+    /// Send it again now.
+    #[arg(long)]
+    resend: bool,
+    /// Do not send it: mark it dropped.
+    #[arg(long)]
+    drop: bool,
+}
+
 #[derive(Subcommand)]
 enum RunsCommand {
     /// Runs, newest first: mode, state, what they answered.
@@ -94,6 +108,15 @@ enum InboundCommand {
 
 #[derive(Subcommand)]
 enum OutboxCommand {
+    /// Settle a held item: it arrived (--as-sent), send it again (--resend), or never send it (--drop).
+    Resolve {
+        #[command(flatten)]
+        config: ConfigArg,
+        /// The item's id (from `outbox list --state held`).
+        id: i64,
+        #[command(flatten)]
+        action: ResolveAction,
+    },
     /// Reply items, newest first.
     List {
         #[command(flatten)]
@@ -233,6 +256,35 @@ async fn dispatch(command: Command) -> ExitCode {
                 Err(code) => return code,
             };
             print_or_fail(switchboard::cli::outbox_list(&store, state, conversation, limit).await)
+        }
+        Command::Outbox {
+            command: OutboxCommand::Resolve { config, id, action },
+        } => {
+            let resolution = if action.as_sent {
+                store::Resolution::AsSent
+            } else if action.resend {
+                store::Resolution::Resend
+            } else {
+                store::Resolution::Drop
+            };
+            let store = match open_store(&config).await {
+                Ok(s) => s,
+                Err(code) => return code,
+            };
+            let now = switchboard::clock::Clock::now_ms(&switchboard::clock::SystemClock);
+            match store.outbox_resolve(id, resolution, now).await {
+                Ok(true) => {
+                    println!("outbox item {id}: resolved ({resolution:?})");
+                    ExitCode::SUCCESS
+                }
+                Ok(false) => {
+                    eprintln!(
+                        "switchboard: outbox item {id} is not held; see `switchboard outbox list --state held`"
+                    );
+                    ExitCode::from(1)
+                }
+                Err(e) => fail(e),
+            }
         }
         Command::Runs {
             command:

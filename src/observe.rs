@@ -10,6 +10,7 @@ use std::sync::Arc;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tokio::sync::broadcast;
 
@@ -66,6 +67,8 @@ pub enum Event {
         item_key: String,
         action: &'static str,
     },
+    /// A stale worker's outcome was rejected by the item's fencing token.
+    Fenced { item_key: String },
 }
 
 /// Counters and the event stream.
@@ -79,6 +82,8 @@ pub struct Observer {
     runs_finished: Family<Labels, Counter>,
     sends: Family<Labels, Counter>,
     reconciliations: Family<Labels, Counter>,
+    outbox_items: Family<Labels, Gauge>,
+    oldest_unsent_age: Gauge<f64, std::sync::atomic::AtomicU64>,
     events: broadcast::Sender<Event>,
 }
 
@@ -128,6 +133,18 @@ impl Observer {
             "switchboard_outbox_reconciliations",
             "Possibly-dispatched items resolved by reconciliation, by action",
         );
+        let outbox_items = Family::<Labels, Gauge>::default();
+        registry.register(
+            "switchboard_outbox_items",
+            "Outbox items waiting, unconfirmed or held, by dispatch state",
+            outbox_items.clone(),
+        );
+        let oldest_unsent_age = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
+        registry.register(
+            "switchboard_outbox_oldest_unsent_age_seconds",
+            "Age of the oldest not-dispatched outbox item (0 when none)",
+            oldest_unsent_age.clone(),
+        );
         let (events, _) = broadcast::channel(4096);
         Observer {
             registry,
@@ -139,6 +156,8 @@ impl Observer {
             runs_finished,
             sends,
             reconciliations,
+            outbox_items,
+            oldest_unsent_age,
             events,
         }
     }
@@ -270,6 +289,36 @@ impl Observer {
             item_key: item_key.to_owned(),
             kind,
             detail: detail.to_owned(),
+        });
+    }
+
+    /// Set the outbox gauges from figures read at scrape time.
+    pub fn set_outbox_gauges(&self, stats: &crate::store::OutboxStats, now_ms: i64) {
+        for (state, n) in [
+            ("not_dispatched", stats.not_dispatched),
+            ("possibly_dispatched", stats.possibly_dispatched),
+            ("held", stats.held),
+        ] {
+            self.outbox_items
+                .get_or_create(&vec![("state", state.to_owned())])
+                .set(n);
+        }
+        let age = stats
+            .oldest_unsent_created_at
+            .map_or(0.0, |t| ((now_ms - t).max(0) as f64) / 1000.0);
+        self.oldest_unsent_age.set(age);
+    }
+
+    /// A stale worker's outcome was rejected by the fencing token.
+    pub fn fenced(&self, item_key: &str) {
+        self.sends
+            .get_or_create(&vec![
+                ("account", String::new()),
+                ("outcome", "fenced".to_owned()),
+            ])
+            .inc();
+        self.emit(Event::Fenced {
+            item_key: item_key.to_owned(),
         });
     }
 

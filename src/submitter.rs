@@ -423,6 +423,8 @@ impl Submitter {
             run_id: None,
             kind: ItemKind::Notice,
             text: text.to_owned(),
+            group_key: None,
+            edits_key: None,
             created_at: now,
         }
     }

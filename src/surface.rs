@@ -55,6 +55,11 @@ impl SurfaceKind {
         }
     }
 
+    /// A chat of several people (group rate limits apply).
+    pub fn is_group(self) -> bool {
+        matches!(self, SurfaceKind::TelegramGroup | SurfaceKind::DiscordGuild)
+    }
+
     /// The defaults of DESIGN.md §2.
     pub fn defaults(self) -> Defaults {
         use Delivery::*;

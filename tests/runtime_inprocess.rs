@@ -67,6 +67,7 @@ async fn the_local_runtime_streams_gap_free_deltas_that_add_up_to_the_answer() {
             store: store.clone(),
             batch_size: 16,
             messages: config.messages.clone(),
+            shaper: Default::default(),
             clock,
             observer: Arc::new(Observer::new()),
             outbox_wake: Arc::new(Notify::new()),
@@ -286,4 +287,136 @@ async fn a_message_waiting_on_an_unreachable_runtime_gets_one_notice_and_is_answ
     .expect("never admitted once the runtime was back");
     stop.cancel();
     task.await.unwrap();
+}
+
+/// A platform that records typing indicators.
+struct Typist {
+    typing: std::sync::Mutex<Vec<std::time::Instant>>,
+}
+
+#[async_trait]
+impl switchboard_channel::ChannelAdapter for Typist {
+    fn identity(&self) -> &str {
+        "webhook:main"
+    }
+    fn platform(&self) -> switchboard_channel::Platform {
+        switchboard_channel::Platform::Webhook
+    }
+    fn limits(&self) -> switchboard_channel::Limits {
+        switchboard_channel::Limits {
+            max_text_len: 4096,
+            length_unit: switchboard_channel::LengthUnit::Chars,
+            per_chat: None,
+            per_group: None,
+            per_account: None,
+        }
+    }
+    fn capabilities(&self) -> switchboard_channel::Capabilities {
+        switchboard_channel::Capabilities {
+            idempotent_send: false,
+            edit: true,
+            typing: true,
+        }
+    }
+    async fn send(
+        &self,
+        _m: &switchboard_channel::OutboundMessage,
+    ) -> Result<switchboard_channel::Receipt, switchboard_channel::DeliveryError> {
+        Ok(switchboard_channel::Receipt::default())
+    }
+    async fn typing(
+        &self,
+        _chat: &str,
+        _thread: Option<&str>,
+    ) -> Result<(), switchboard_channel::DeliveryError> {
+        self.typing.lock().unwrap().push(std::time::Instant::now());
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn a_terminal_only_surface_shows_typing_while_the_run_is_active() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(dir.path()).await;
+    let config = Arc::new(config("[outbox]\ntyping_interval_ms = 200\n"));
+    let switchboard::config::RuntimeConfig::Local(local) = &config.runtimes["default"];
+    let mut local = local.clone();
+    local.model = switchboard::config::ModelConfig::Echo(switchboard::config::EchoConfig {
+        token_delay_ms: 60,
+    });
+    let typist = Arc::new(Typist {
+        typing: std::sync::Mutex::new(Vec::new()),
+    });
+    let adapters: std::collections::HashMap<String, Arc<dyn switchboard_channel::ChannelAdapter>> =
+        [(
+            "webhook:main".to_owned(),
+            typist.clone() as Arc<dyn switchboard_channel::ChannelAdapter>,
+        )]
+        .into_iter()
+        .collect();
+    let clock: SharedClock = Arc::new(SystemClock);
+    let runtime = LocalRuntime::new(
+        "default",
+        &local,
+        Deps {
+            store: store.clone(),
+            batch_size: 16,
+            messages: config.messages.clone(),
+            shaper: switchboard::outbox::shape::Shaper::new(adapters.clone()),
+            clock: clock.clone(),
+            observer: Arc::new(Observer::new()),
+            outbox_wake: Arc::new(Notify::new()),
+        },
+    )
+    .unwrap();
+    let streamer = Arc::new(switchboard::outbox::stream::Streamer {
+        store: store.clone(),
+        adapters: adapters.clone(),
+        config: config.clone(),
+        account_names: [("webhook:main".to_owned(), "main".to_owned())]
+            .into_iter()
+            .collect(),
+        rate: Arc::new(switchboard::outbox::rate::RateLimiter::new(
+            Default::default(),
+        )),
+        chat_locks: Arc::new(switchboard::outbox::ChatLocks::default()),
+        clock,
+        dispatcher_wake: Arc::new(Notify::new()),
+    });
+    let stop = CancellationToken::new();
+    tokio::spawn(streamer.run(runtime.deltas(), stop.clone()));
+    let started = std::time::Instant::now();
+    runtime
+        .submit(vec![Submission {
+            idempotency_key: "k".into(),
+            conversation_id: 1,
+            inbound_id: None,
+            account: "webhook:main".into(),
+            chat_id: "c".into(),
+            thread_id: None,
+            surface: SurfaceKind::Webhook,
+            reply_to: None,
+            input: Input::text("a b c d e f g h i j k l"),
+            policy: InputPolicy::Queue,
+            coalesce_pending: false,
+            max_queued_inputs: 32,
+            soft_interrupt: false,
+        }])
+        .await;
+    // 14 words at 60 ms: about 0.85 s of output, typing renewed every 200 ms.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let typing = typist.typing.lock().unwrap().clone();
+    assert!(typing.len() >= 3, "typing shown {} times", typing.len());
+    assert!(
+        typing.len() <= 6,
+        "typing renewed more often than configured: {}",
+        typing.len()
+    );
+    assert!(
+        typing
+            .iter()
+            .all(|t| t.duration_since(started) < Duration::from_millis(1000)),
+        "typing after the run ended"
+    );
+    stop.cancel();
 }

@@ -301,6 +301,8 @@ mod suite {
                 item_key: key.into(),
                 kind: ItemKind::Answer,
                 text: text.into(),
+                group_key: None,
+                edits_key: None,
             }],
             absorb: vec![],
             now: 5_000,
@@ -667,8 +669,150 @@ mod suite {
             run_id: None,
             kind: ItemKind::Notice,
             text: key.into(),
+            group_key: None,
+            edits_key: None,
             created_at: 1_000,
         }
+    }
+
+    pub async fn outbox_previews_never_follow_their_answer(store: SharedStore) {
+        let preview = NewOutboxItem {
+            kind: ItemKind::Preview,
+            ..item("run-1-preview", 1)
+        };
+        assert!(
+            store
+                .outbox_enqueue_preview(&preview, "run-1-answer-1")
+                .await
+                .unwrap()
+        );
+        let answer = NewOutboxItem {
+            edits_key: Some("run-1-preview".into()),
+            ..item("run-1-answer-1", 1)
+        };
+        store.outbox_enqueue(&[answer]).await.unwrap();
+        assert!(store.outbox_replaced("run-1-preview").await.unwrap());
+        assert!(!store.outbox_replaced("run-2-preview").await.unwrap());
+        // Run 2 answered before its first delta was seen: no preview.
+        store
+            .outbox_enqueue(&[item("run-2-answer-1", 2)])
+            .await
+            .unwrap();
+        let late = NewOutboxItem {
+            kind: ItemKind::Preview,
+            ..item("run-2-preview", 2)
+        };
+        assert!(
+            !store
+                .outbox_enqueue_preview(&late, "run-2-answer-1")
+                .await
+                .unwrap()
+        );
+        assert!(
+            store
+                .outbox_get_by_key("run-2-preview")
+                .await
+                .unwrap()
+                .is_none()
+        );
+        let got = store
+            .outbox_get_by_key("run-1-answer-1")
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (got.ordinal, got.edits_key.as_deref()),
+            (2, Some("run-1-preview"))
+        );
+    }
+
+    pub async fn outbox_operators_resolve_held_items_only(store: SharedStore) {
+        store
+            .outbox_enqueue(&[item("a", 1), item("b", 2), item("c", 3)])
+            .await
+            .unwrap();
+        let claimed = store.outbox_claim(&claim(2_000, 10)).await.unwrap();
+        let holds: Vec<Reconcile> = claimed
+            .iter()
+            .map(|i| Reconcile {
+                item_id: i.id,
+                fencing_token: i.fencing_token,
+                action: ReconcileAction::Hold,
+                now: 3_000,
+            })
+            .collect();
+        store.outbox_expire_all_leases(3_000).await.unwrap();
+        store.outbox_reconcile(&holds).await.unwrap();
+        let id = |k: &str| claimed.iter().find(|i| i.item_key == k).unwrap().id;
+        assert!(
+            store
+                .outbox_resolve(id("a"), Resolution::AsSent, 4_000)
+                .await
+                .unwrap()
+        );
+        assert!(
+            store
+                .outbox_resolve(id("b"), Resolution::Drop, 4_000)
+                .await
+                .unwrap()
+        );
+        assert!(
+            store
+                .outbox_resolve(id("c"), Resolution::Resend, 4_000)
+                .await
+                .unwrap()
+        );
+        assert!(
+            !store
+                .outbox_resolve(id("a"), Resolution::Drop, 4_001)
+                .await
+                .unwrap(),
+            "only held items"
+        );
+        let state = |k: &'static str| {
+            let store = store.clone();
+            async move { store.outbox_get_by_key(k).await.unwrap().unwrap() }
+        };
+        assert_eq!(state("a").await.state, DispatchState::Acknowledged);
+        assert_eq!(state("b").await.state, DispatchState::Dropped);
+        let c = state("c").await;
+        assert_eq!((c.state, c.resends), (DispatchState::NotDispatched, 1));
+        let again = store.outbox_claim(&claim(4_000, 10)).await.unwrap();
+        assert_eq!(
+            again
+                .iter()
+                .map(|i| i.item_key.as_str())
+                .collect::<Vec<_>>(),
+            ["c"],
+            "a resend is claimable at once"
+        );
+        assert!(again[0].fencing_token > c.fencing_token - 1);
+    }
+
+    pub async fn outbox_stats_count_what_waits(store: SharedStore) {
+        assert_eq!(store.outbox_stats().await.unwrap(), OutboxStats::default());
+        store
+            .outbox_enqueue(&[
+                NewOutboxItem {
+                    created_at: 500,
+                    ..item("a1", 1)
+                },
+                item("a2", 1),
+                item("b1", 2),
+            ])
+            .await
+            .unwrap();
+        store.outbox_claim(&claim(2_000, 1)).await.unwrap();
+        let stats = store.outbox_stats().await.unwrap();
+        assert_eq!(
+            (stats.not_dispatched, stats.possibly_dispatched, stats.held),
+            (2, 1, 0)
+        );
+        assert_eq!(
+            stats.oldest_unsent_created_at,
+            Some(1_000),
+            "a1 was claimed; a2 and b1 wait"
+        );
     }
 
     fn claim(now: i64, limit: usize) -> Claim {
@@ -1056,6 +1200,9 @@ conformance!(sqlite, open_sqlite;
     outbox_failed_held_and_ambiguous,
     outbox_expire_all_leases_frees_orphans,
     outbox_backlog_in_one_lane_does_not_hide_other_lanes,
+    outbox_previews_never_follow_their_answer,
+    outbox_operators_resolve_held_items_only,
+    outbox_stats_count_what_waits,
 );
 
 #[tokio::test]

@@ -129,6 +129,12 @@ CREATE TABLE outbox (
     run_id           TEXT,
     kind             TEXT    NOT NULL,
     text             TEXT    NOT NULL,
+    -- The chunks of one answer share a group: when one fails for good, the
+    -- later ones fail with it.
+    group_key        TEXT,
+    -- The item whose message this one edits when that message exists (a
+    -- streaming preview).
+    edits_key        TEXT,
     state            TEXT    NOT NULL,
     head             INTEGER NOT NULL,
     attempts         INTEGER NOT NULL DEFAULT 0,
@@ -151,3 +157,8 @@ CREATE INDEX outbox_lane ON outbox (conversation_id, ordinal)
 CREATE INDEX outbox_in_flight ON outbox (lease_expires_at)
     WHERE state = 'possibly_dispatched';
 CREATE INDEX outbox_by_state ON outbox (state, id);
+-- Whether a preview was replaced (its answer, a failure notice or a discard
+-- marker exists): transient edits stop then.
+CREATE INDEX outbox_edits ON outbox (edits_key) WHERE edits_key IS NOT NULL;
+CREATE INDEX outbox_group ON outbox (group_key, ordinal)
+    WHERE group_key IS NOT NULL AND state = 'not_dispatched';

@@ -12,18 +12,20 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use switchboard_channel::{
-    ChannelAdapter, DeliveryError, OutboundMessage, OutboundMeta, SendAction,
+    ChannelAdapter, DeliveryError, OutboundMessage, OutboundMeta, Receipt, SendAction,
 };
 use tokio::sync::Notify;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
+use super::ChatLocks;
 use super::backoff;
+use super::rate::RateLimiter;
 use crate::clock::SharedClock;
 use crate::config::OutboxConfig;
 use crate::observe::SharedObserver;
 use crate::store::batch::Batcher;
-use crate::store::{Claim, OutboxItem, Outcome, Settlement, SharedStore};
+use crate::store::{Claim, DispatchState, ItemKind, OutboxItem, Outcome, Settlement, SharedStore};
 
 /// How often an idle dispatcher looks for due items (retries whose time has
 /// come); new items wake it at once.
@@ -35,6 +37,8 @@ const NO_ADAPTER_RETRY: Duration = Duration::from_secs(60);
 pub struct Dispatcher {
     store: SharedStore,
     adapters: HashMap<String, Arc<dyn ChannelAdapter>>,
+    rate: Arc<RateLimiter>,
+    chat_locks: Arc<ChatLocks>,
     config: OutboxConfig,
     clock: SharedClock,
     observer: SharedObserver,
@@ -46,9 +50,12 @@ pub struct Dispatcher {
 impl Dispatcher {
     /// `adapters` by channel account store identity; `owner` names this
     /// process in leases.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         store: SharedStore,
         adapters: HashMap<String, Arc<dyn ChannelAdapter>>,
+        rate: Arc<RateLimiter>,
+        chat_locks: Arc<ChatLocks>,
         config: OutboxConfig,
         clock: SharedClock,
         observer: SharedObserver,
@@ -63,6 +70,8 @@ impl Dispatcher {
         Dispatcher {
             store,
             adapters,
+            rate,
+            chat_locks,
             config,
             clock,
             observer,
@@ -88,6 +97,10 @@ impl Dispatcher {
             if stop.is_cancelled() {
                 break;
             }
+            // Finished sends still count in the set until joined: join them
+            // all first, so one claim fills every free slot (one claim per
+            // joined send would turn a wave of N settlements into N claims).
+            while in_flight.try_join_next().is_some() {}
             let free = this.config.concurrency.saturating_sub(in_flight.len());
             let mut claimed = 0;
             if free > 0 {
@@ -152,23 +165,7 @@ impl Dispatcher {
 
     async fn send_one(&self, item: OutboxItem) {
         let outcome = match self.adapters.get(&item.account) {
-            Some(adapter) => {
-                let message = OutboundMessage {
-                    item_key: item.item_key.clone(),
-                    chat_id: item.chat_id.clone(),
-                    thread_id: item.thread_id.clone(),
-                    text: item.text.clone(),
-                    reply_to: item.reply_to.clone(),
-                    action: SendAction::Create,
-                    meta: OutboundMeta {
-                        conversation_id: item.conversation_id,
-                        ordinal: item.ordinal,
-                        run_id: item.run_id.clone(),
-                    },
-                };
-                let result = adapter.send(&message).await;
-                self.outcome(&item, result)
-            }
+            Some(adapter) => self.deliver(adapter.as_ref(), &item).await,
             None => {
                 tracing::warn!(item = %item.item_key, account = %item.account, "no channel account runs this item's account; retrying later");
                 Outcome::Retry {
@@ -191,6 +188,7 @@ impl Dispatcher {
             Ok(true) => self.report(&item, &outcome),
             Ok(false) => {
                 tracing::info!(item = %item.item_key, token = item.fencing_token, "outcome not recorded: a newer claim owns the item");
+                self.observer.fenced(&item.item_key);
             }
             Err(e) => {
                 // The item stays possibly_dispatched; its lease runs out and
@@ -205,6 +203,80 @@ impl Dispatcher {
             // The lane moved on: its next item may be claimable now.
             self.wake.notify_one();
         }
+    }
+
+    /// Send one claimed item through its adapter, within the rate limits.
+    async fn deliver(&self, adapter: &dyn ChannelAdapter, item: &OutboxItem) -> Outcome {
+        let action = match self.action_for(item).await {
+            Ok(Some(action)) => action,
+            // A discard marker for a preview that was never shown: nothing
+            // to do, and nothing to tell.
+            Ok(None) => {
+                return Outcome::Acknowledged {
+                    receipt: r#"{"message_ids":[],"skipped":"no preview was shown"}"#.to_owned(),
+                };
+            }
+            Err(e) => {
+                return Outcome::Retry {
+                    next_attempt_at: self.clock.now_ms() + 1000,
+                    counts: false,
+                    reason: format!("could not read the preview this item edits: {e}"),
+                };
+            }
+        };
+        let message = OutboundMessage {
+            item_key: item.item_key.clone(),
+            chat_id: item.chat_id.clone(),
+            thread_id: item.thread_id.clone(),
+            text: item.text.clone(),
+            reply_to: item.reply_to.clone(),
+            action,
+            meta: OutboundMeta {
+                conversation_id: item.conversation_id,
+                ordinal: item.ordinal,
+                run_id: item.run_id.clone(),
+            },
+        };
+        let group = item.surface.is_group();
+        self.rate.acquire(&item.account, &item.chat_id, group).await;
+        // An edit of a preview must not overlap a transient edit of it.
+        let _order = match message.action {
+            SendAction::Edit { .. } => {
+                Some(self.chat_locks.lock(&item.account, &item.chat_id).await)
+            }
+            SendAction::Create => None,
+        };
+        let result = adapter.send(&message).await;
+        if let Err(DeliveryError::RetryAfter { after, scope }) = &result {
+            self.rate
+                .pause(&item.account, &item.chat_id, *scope, *after);
+        }
+        self.outcome(item, result)
+    }
+
+    /// Create a message, or edit the preview this item replaces when that
+    /// preview was shown. `None`: the item only edits, and there is nothing
+    /// to edit.
+    async fn action_for(
+        &self,
+        item: &OutboxItem,
+    ) -> Result<Option<SendAction>, crate::store::StoreError> {
+        let Some(key) = &item.edits_key else {
+            return Ok(Some(SendAction::Create));
+        };
+        let shown = self
+            .store
+            .outbox_get_by_key(key)
+            .await?
+            .filter(|p| p.state == DispatchState::Acknowledged)
+            .and_then(|p| p.receipt)
+            .and_then(|r| serde_json::from_str::<Receipt>(&r).ok())
+            .and_then(|r| r.message_ids.into_iter().next());
+        Ok(match (shown, item.kind) {
+            (Some(message_id), _) => Some(SendAction::Edit { message_id }),
+            (None, ItemKind::Discard) => None,
+            (None, _) => Some(SendAction::Create),
+        })
     }
 
     fn outcome(

@@ -111,6 +111,30 @@ pub struct StopReport {
     pub cancelled: usize,
 }
 
+/// Where a run's answers go.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Route {
+    /// The channel account's store identity.
+    pub account: String,
+    pub chat_id: String,
+    pub thread_id: Option<String>,
+    pub surface: SurfaceKind,
+    /// The platform message the answer references.
+    pub reply_to: Option<String>,
+}
+
+impl Submission {
+    pub fn route(&self) -> Route {
+        Route {
+            account: self.account.clone(),
+            chat_id: self.chat_id.clone(),
+            thread_id: self.thread_id.clone(),
+            surface: self.surface,
+            reply_to: self.reply_to.clone(),
+        }
+    }
+}
+
 /// A transient piece of a streaming answer: identified by `(run, epoch,
 /// sequence)`. A new epoch starts when a run starts its answer over (a
 /// retried model call); `text` is the whole answer so far, so a consumer
@@ -119,6 +143,7 @@ pub struct StopReport {
 pub struct RunDelta {
     pub run_id: String,
     pub conversation_id: i64,
+    pub route: std::sync::Arc<Route>,
     pub epoch: u32,
     pub sequence: u64,
     pub delta: String,

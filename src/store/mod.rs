@@ -155,6 +155,26 @@ pub trait OutboxStore: Send + Sync {
 
     async fn outbox_get(&self, id: i64) -> StoreResult<Option<OutboxItem>>;
 
+    async fn outbox_get_by_key(&self, item_key: &str) -> StoreResult<Option<OutboxItem>>;
+
+    /// Add a streaming preview unless the item `unless_key` (the answer it
+    /// previews) already exists: a preview must never come after its answer.
+    async fn outbox_enqueue_preview(
+        &self,
+        item: &NewOutboxItem,
+        unless_key: &str,
+    ) -> StoreResult<bool>;
+
+    /// Whether an item that replaces `edits_key` (a preview) exists.
+    async fn outbox_replaced(&self, edits_key: &str) -> StoreResult<bool>;
+
+    /// An operator settles a `held` item. `false` when it is not held.
+    async fn outbox_resolve(&self, id: i64, resolution: Resolution, now: i64) -> StoreResult<bool>;
+
+    /// Items waiting or unconfirmed, and the age of the oldest unsent one,
+    /// read through indexes (for `/metrics`).
+    async fn outbox_stats(&self) -> StoreResult<OutboxStats>;
+
     /// Newest first, at most `limit`, optionally one state and/or one
     /// conversation.
     async fn outbox_list(&self, filter: &OutboxFilter) -> StoreResult<Vec<OutboxItem>>;

@@ -116,11 +116,17 @@ impl DispatchState {
 string_enum! {
     /// What an outbox item is.
     ItemKind {
-        /// (A chunk of) a run's final answer.
+        /// (A chunk of) a run's final answer. The first chunk edits the
+        /// run's preview when one was shown.
         Answer => "answer",
         /// A short message from Switchboard itself (failure notice,
         /// confirmation).
         Notice => "notice",
+        /// The first message of a streaming answer, later edited in place.
+        Preview => "preview",
+        /// Replace a shown preview with the "discarded" marker (a superseded
+        /// run); nothing is sent when no preview was shown.
+        Discard => "discard",
     }
 }
 
@@ -305,6 +311,10 @@ pub struct NewReply {
     pub item_key: String,
     pub kind: ItemKind,
     pub text: String,
+    /// Chunks of one answer share a group.
+    pub group_key: Option<String>,
+    /// The item (a preview) whose message this one edits, when it exists.
+    pub edits_key: Option<String>,
 }
 
 /// A run's terminal record and the reply items it creates, written in one
@@ -358,6 +368,8 @@ pub struct NewOutboxItem {
     pub run_id: Option<String>,
     pub kind: ItemKind,
     pub text: String,
+    pub group_key: Option<String>,
+    pub edits_key: Option<String>,
     pub created_at: i64,
 }
 
@@ -376,6 +388,8 @@ pub struct OutboxItem {
     pub run_id: Option<String>,
     pub kind: ItemKind,
     pub text: String,
+    pub group_key: Option<String>,
+    pub edits_key: Option<String>,
     pub state: DispatchState,
     /// `NotSent` outcomes so far.
     pub attempts: i64,
@@ -448,6 +462,27 @@ pub enum ReconcileAction {
     Resend { possible_duplicate: bool },
     /// To `held`, for an operator.
     Hold,
+}
+
+/// An operator's decision on a `held` item.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resolution {
+    /// It did arrive: `acknowledged`.
+    AsSent,
+    /// Send it (again): `not_dispatched`, due now.
+    Resend,
+    /// Do not send it: `dropped`.
+    Drop,
+}
+
+/// Bounded outbox figures for metrics.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct OutboxStats {
+    pub not_dispatched: i64,
+    pub possibly_dispatched: i64,
+    pub held: i64,
+    /// When the oldest `not_dispatched` item was created.
+    pub oldest_unsent_created_at: Option<i64>,
 }
 
 /// Which outbox items to list.

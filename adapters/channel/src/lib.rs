@@ -15,6 +15,8 @@
 //! Architecture invariant: adapters do not touch the store. They see
 //! envelopes, outbound messages and receipts, nothing else.
 
+pub mod chunk;
+
 use std::fmt;
 use std::time::Duration;
 
@@ -349,6 +351,19 @@ pub trait ChannelAdapter: Send + Sync {
     fn platform(&self) -> Platform;
     fn limits(&self) -> Limits;
     fn capabilities(&self) -> Capabilities;
-    /// Send one message. Must not retry on its own: the outbox decides.
+    /// Send one message (create, or edit when `message.action` says so).
+    /// Must not retry on its own: the outbox decides.
     async fn send(&self, message: &OutboundMessage) -> Result<Receipt, DeliveryError>;
+
+    /// Show a typing indicator in a chat (transient; never retried).
+    async fn typing(&self, chat_id: &str, thread_id: Option<&str>) -> Result<(), DeliveryError> {
+        let _ = (chat_id, thread_id);
+        Ok(())
+    }
+
+    /// Split a final answer into the messages this platform can take.
+    fn split(&self, text: &str) -> Vec<String> {
+        let limits = self.limits();
+        chunk::split(text, limits.max_text_len, limits.length_unit)
+    }
 }

@@ -26,7 +26,9 @@ pub struct CallbackBody {
     pub ordinal: i64,
     pub run_id: Option<String>,
     pub text: String,
-    /// Present when this reply replaces an earlier one (a streaming preview).
+    /// Present when this body replaces the text of an earlier reply (a
+    /// streaming preview): the `reply_key` of the message to update. Such
+    /// bodies come in order and may repeat; apply the latest.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub edits: Option<String>,
 }
@@ -36,6 +38,7 @@ pub struct WebhookSender {
     identity: String,
     callback_url: reqwest::Url,
     client: reqwest::Client,
+    max_reply_chars: usize,
 }
 
 impl WebhookSender {
@@ -45,6 +48,7 @@ impl WebhookSender {
         identity: String,
         callback_url: reqwest::Url,
         timeout: Duration,
+        max_reply_chars: usize,
     ) -> Result<Self, reqwest::Error> {
         let client = reqwest::Client::builder()
             .connect_timeout(timeout.min(Duration::from_secs(5)))
@@ -55,6 +59,7 @@ impl WebhookSender {
             identity,
             callback_url,
             client,
+            max_reply_chars,
         })
     }
 }
@@ -113,9 +118,9 @@ impl ChannelAdapter for WebhookSender {
 
     fn limits(&self) -> Limits {
         Limits {
-            // The body limit of a typical receiver, not a platform rule:
-            // long answers are split into several replies past this.
-            max_text_len: 65_536,
+            // Not a platform rule: what the account's receiver takes
+            // (`max_reply_chars`); longer answers become several replies.
+            max_text_len: self.max_reply_chars,
             length_unit: LengthUnit::Chars,
             per_chat: None,
             per_group: None,
@@ -126,7 +131,10 @@ impl ChannelAdapter for WebhookSender {
     fn capabilities(&self) -> Capabilities {
         Capabilities {
             idempotent_send: true,
-            edit: false,
+            // On a streaming surface the receiver must apply `edits` bodies:
+            // the final answer then arrives as the last edit of the preview.
+            // (The webhook surface is terminal-only by default.)
+            edit: true,
             typing: false,
         }
     }
@@ -152,7 +160,12 @@ impl ChannelAdapter for WebhookSender {
             .send()
             .await;
         match result {
-            Ok(response) => classify(response.status(), response.headers(), &body.reply_key),
+            // The message a receipt names: the one created, or the one edited.
+            Ok(response) => classify(
+                response.status(),
+                response.headers(),
+                body.edits.as_deref().unwrap_or(&body.reply_key),
+            ),
             // Refused or unreachable before anything was written: certainly
             // not delivered.
             Err(e) if e.is_connect() => Err(DeliveryError::NotSent(format!(

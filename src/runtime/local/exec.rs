@@ -16,8 +16,7 @@ use super::Inner;
 use super::history;
 use super::lane::{QueuedRun, RunControl};
 use super::model::{ChatMessage, DeltaSink, ModelError, ModelRequest, Role};
-use crate::keys;
-use crate::store::{ItemKind, NewReply, RunFinish, RunState};
+use crate::store::{RunFinish, RunState};
 
 /// How a run ended.
 enum Ended {
@@ -80,7 +79,7 @@ impl Inner {
             let request = ModelRequest {
                 run_id,
                 conversation_id,
-                surface: run.surface,
+                surface: run.route.surface,
                 messages: history::build(
                     self.system_prompt.as_deref(),
                     &past,
@@ -94,7 +93,14 @@ impl Inner {
             } else {
                 format!("{said_before}\n\n")
             };
-            let sink = DeltaSink::new(run_id, conversation_id, epoch, prefix, self.deltas.clone());
+            let sink = DeltaSink::new(
+                run_id,
+                conversation_id,
+                run.route.clone(),
+                epoch,
+                prefix,
+                self.deltas.clone(),
+            );
             let step = control.next_step();
             enum Step {
                 Done(Result<String, ModelError>),
@@ -157,6 +163,7 @@ impl Inner {
 
         let said = |partial: &str| joined(steps.iter().map(|(_, a)| a.as_str()).chain([partial]));
         let now = self.clock.now_ms();
+        let account = run.route.account.as_str();
         let finish = match ended {
             Ended::Completed => RunFinish {
                 run_id,
@@ -164,20 +171,21 @@ impl Inner {
                 answer: Some(said("")),
                 prompt: Some(prompt_json(&answered)),
                 reason: None,
-                replies: vec![answer_reply(run_id, said(""))],
+                replies: self.shaper.answer(account, run_id, &said("")),
                 absorb: absorbed.clone(),
                 now,
             },
             Ended::Cut { state, partial } => {
                 let said = said(&partial);
                 let mut finish =
-                    ended_without_partial(self, run_id, state, control.stopped(), &own);
+                    ended_without_partial(self, run_id, account, state, control.stopped(), &own);
                 if !said.is_empty() {
                     if state == RunState::Interrupted {
-                        finish.replies = vec![answer_reply(
+                        finish.replies = self.shaper.answer(
+                            account,
                             run_id,
-                            format!("{said}\n\n{}", self.messages.interrupted_marker),
-                        )];
+                            &format!("{said}\n\n{}", self.messages.interrupted_marker),
+                        );
                     }
                     finish.answer = Some(said);
                 }
@@ -223,21 +231,28 @@ impl Inner {
 
 /// The record of a run that ended (interrupted or superseded) before it
 /// said anything: an interrupted run tells the user with the marker, unless
-/// a `/stop` confirmation follows anyway; a superseded run says nothing.
+/// a `/stop` confirmation follows anyway; a superseded run turns a preview
+/// that was shown into the "discarded" marker, and says nothing otherwise.
 pub(super) fn ended_without_partial(
     inner: &Inner,
     run_id: i64,
+    account: &str,
     state: RunState,
     confirmation_follows: bool,
     own_inputs: &[String],
 ) -> RunFinish {
-    let replies = if state == RunState::Interrupted && !confirmation_follows {
-        vec![answer_reply(
-            run_id,
-            inner.messages.interrupted_marker.clone(),
-        )]
-    } else {
-        Vec::new()
+    let replies = match state {
+        RunState::Interrupted if !confirmation_follows => {
+            inner
+                .shaper
+                .answer(account, run_id, &inner.messages.interrupted_marker)
+        }
+        RunState::Superseded => vec![
+            inner
+                .shaper
+                .discard(run_id, &inner.messages.discarded_marker),
+        ],
+        _ => Vec::new(),
     };
     RunFinish {
         run_id,
@@ -273,21 +288,9 @@ fn failed(
         answer: None,
         prompt: Some(prompt_json(own)),
         reason: Some(reason),
-        replies: vec![NewReply {
-            item_key: keys::run_notice_key(run_id, "failure"),
-            kind: ItemKind::Notice,
-            text,
-        }],
+        replies: vec![inner.shaper.run_notice(run_id, "failure", &text)],
         absorb: Vec::new(),
         now,
-    }
-}
-
-fn answer_reply(run_id: i64, text: String) -> NewReply {
-    NewReply {
-        item_key: keys::answer_item_key(&run_id.to_string(), 1),
-        kind: ItemKind::Answer,
-        text,
     }
 }
 

@@ -6,16 +6,16 @@ use std::sync::{Arc, Mutex};
 
 use tokio_util::sync::CancellationToken;
 
-use crate::runtime::Input;
+use crate::runtime::{Input, Route};
 use crate::store::{RunMode, RunState};
-use crate::surface::{InputPolicy, SurfaceKind};
+use crate::surface::InputPolicy;
 
 /// A run waiting in the lane.
 #[derive(Debug, Clone)]
 pub struct QueuedRun {
     pub run_id: i64,
     pub mode: RunMode,
-    pub surface: SurfaceKind,
+    pub route: Arc<Route>,
     pub inputs: Vec<Input>,
 }
 
@@ -339,7 +339,13 @@ mod tests {
         QueuedRun {
             run_id,
             mode,
-            surface: SurfaceKind::Webhook,
+            route: Arc::new(Route {
+                account: "webhook:a".into(),
+                chat_id: "c".into(),
+                thread_id: None,
+                surface: crate::surface::SurfaceKind::Webhook,
+                reply_to: None,
+            }),
             inputs: vec![input("x")],
         }
     }

@@ -32,11 +32,13 @@ use tokio_util::task::TaskTracker;
 use self::lane::{Lane, Offer, Placement, QueuedRun, RunControl, Running};
 use self::model::Model;
 use super::{
-    Admission, CloseReport, Input, RunDelta, Runtime, Stop, StopReport, Submission, SubmitError,
+    Admission, CloseReport, Input, Route, RunDelta, Runtime, Stop, StopReport, Submission,
+    SubmitError,
 };
 use crate::clock::SharedClock;
 use crate::config::{HistoryConfig, LocalRuntimeConfig, Messages, OnRestart};
 use crate::observe::SharedObserver;
+use crate::outbox::shape::Shaper;
 use crate::store::batch::Batcher;
 use crate::store::{
     Admit, AdmitTarget, NewRun, RunFinish, RunMode, RunRow, RunState, SharedStore, StopRequest,
@@ -52,6 +54,7 @@ pub(crate) struct Inner {
     run_timeout: Duration,
     on_restart: OnRestart,
     messages: Messages,
+    shaper: Shaper,
     lanes: Mutex<HashMap<i64, Lane>>,
     permits: Semaphore,
     starts: Batcher<i64, ()>,
@@ -79,6 +82,8 @@ pub struct Deps {
     pub store: SharedStore,
     pub batch_size: usize,
     pub messages: Messages,
+    /// Splits answers at each channel account's limit.
+    pub shaper: Shaper,
     pub clock: SharedClock,
     pub observer: SharedObserver,
     pub outbox_wake: Arc<Notify>,
@@ -117,6 +122,7 @@ impl LocalRuntime {
                 run_timeout: Duration::from_secs(config.run_timeout_secs),
                 on_restart: config.on_restart,
                 messages: deps.messages,
+                shaper: deps.shaper,
                 lanes: Mutex::new(HashMap::new()),
                 permits: Semaphore::new(config.max_concurrent_runs),
                 starts,
@@ -245,8 +251,14 @@ impl Inner {
             .iter()
             .map(|i| input_of(&i.input).text)
             .collect();
-        let finish =
-            exec::ended_without_partial(self, row.id, state, row.end_notice.is_some(), &own);
+        let finish = exec::ended_without_partial(
+            self,
+            row.id,
+            &row.account,
+            state,
+            row.end_notice.is_some(),
+            &own,
+        );
         self.finish(finish, row.conversation_id).await;
         Ok(())
     }
@@ -326,7 +338,7 @@ impl Runtime for LocalRuntime {
                     shadow.insert(QueuedRun {
                         run_id: provisional,
                         mode,
-                        surface: s.surface,
+                        route: Arc::new(s.route()),
                         inputs: vec![s.input.clone()],
                     });
                     AdmitTarget::NewRun(new_run(s, &inner.name, mode, now))
@@ -392,7 +404,7 @@ impl Runtime for LocalRuntime {
                     lane.insert(QueuedRun {
                         run_id: outcome.run_id,
                         mode,
-                        surface: s.surface,
+                        route: Arc::new(s.route()),
                         inputs: vec![s.input.clone()],
                     });
                 }
@@ -507,7 +519,13 @@ impl Runtime for LocalRuntime {
                     .insert(QueuedRun {
                         run_id: row.id,
                         mode: row.mode,
-                        surface: row.surface,
+                        route: Arc::new(Route {
+                            account: row.account.clone(),
+                            chat_id: row.chat_id.clone(),
+                            thread_id: row.thread_id.clone(),
+                            surface: row.surface,
+                            reply_to: row.reply_to.clone(),
+                        }),
                         inputs,
                     });
                 resumed += 1;

@@ -7,16 +7,17 @@ use sqlx::{Row, Sqlite, Transaction};
 
 use super::{SqliteStore, bad_value, thread_from_db, thread_to_db};
 use crate::store::{
-    Claim, DispatchState, ItemKind, NewOutboxItem, OutboxFilter, OutboxItem, OutboxStore, Outcome,
-    Reconcile, ReconcileAction, Settlement, StoreResult,
+    Claim, DispatchState, ItemKind, NewOutboxItem, OutboxFilter, OutboxItem, OutboxStats,
+    OutboxStore, Outcome, Reconcile, ReconcileAction, Resolution, Settlement, StoreResult,
 };
 use crate::surface::SurfaceKind;
 
 macro_rules! outbox_columns {
     () => {
         "id, item_key, conversation_id, ordinal, account, chat_id, thread_id, surface, reply_to,
-         run_id, kind, text, state, attempts, resends, next_attempt_at, lease_owner,
-         lease_expires_at, fencing_token, dispatched_at, receipt, reason, created_at, settled_at"
+         run_id, kind, text, group_key, edits_key, state, attempts, resends, next_attempt_at,
+         lease_owner, lease_expires_at, fencing_token, dispatched_at, receipt, reason, created_at,
+         settled_at"
     };
 }
 
@@ -24,14 +25,15 @@ macro_rules! outbox_columns {
 // statements the store runs.
 pub(super) const INSERT_ITEM: &str =
     "INSERT INTO outbox (item_key, conversation_id, ordinal, account, chat_id, thread_id,
-     surface, reply_to, run_id, kind, text, state, head, next_attempt_at, created_at)
+     surface, reply_to, run_id, kind, text, group_key, edits_key, state, head, next_attempt_at,
+     created_at)
      SELECT ?1, ?2,
      COALESCE((SELECT MAX(ordinal) FROM outbox WHERE conversation_id = ?2), 0) + 1,
-     ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, 'not_dispatched',
+     ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?12, ?13, 'not_dispatched',
      NOT EXISTS (SELECT 1 FROM outbox WHERE conversation_id = ?2
      AND state IN ('not_dispatched', 'possibly_dispatched')),
      ?11, ?11
-     WHERE true
+     WHERE ?14 IS NULL OR NOT EXISTS (SELECT 1 FROM outbox WHERE item_key = ?14)
      ON CONFLICT (item_key) DO NOTHING";
 pub(super) const PROMOTE_HEAD: &str = "UPDATE outbox SET head = 1
      WHERE id = (SELECT id FROM outbox WHERE conversation_id = ?
@@ -51,7 +53,16 @@ pub(super) const FAIL: &str =
     "UPDATE outbox SET state = 'failed', head = 0, reason = ?, settled_at = ?,
      lease_owner = NULL, lease_expires_at = NULL
      WHERE id = ? AND fencing_token = ? AND state = 'possibly_dispatched'
-     RETURNING conversation_id";
+     RETURNING conversation_id, group_key, ordinal";
+pub(super) const FAIL_LATER_CHUNKS: &str = "UPDATE outbox SET state = 'failed', head = 0,
+     reason = 'an earlier chunk of this answer failed', settled_at = ?
+     WHERE group_key = ? AND ordinal > ? AND state = 'not_dispatched'";
+pub(super) const FIND_BY_KEY: &str = concat!(
+    "SELECT ",
+    outbox_columns!(),
+    " FROM outbox WHERE item_key = ?"
+);
+pub(super) const REPLACED: &str = "SELECT 1 FROM outbox WHERE edits_key = ? LIMIT 1";
 pub(super) const AMBIGUOUS: &str = "UPDATE outbox SET lease_expires_at = ?, reason = ?
      WHERE id = ? AND fencing_token = ? AND state = 'possibly_dispatched'";
 pub(super) const RESEND: &str = "UPDATE outbox SET state = 'not_dispatched', next_attempt_at = ?,
@@ -96,6 +107,8 @@ fn item_from_row(row: &SqliteRow) -> StoreResult<OutboxItem> {
         run_id: row.try_get("run_id")?,
         kind: ItemKind::parse(&kind).ok_or_else(|| bad_value("kind", &kind))?,
         text: row.try_get("text")?,
+        group_key: row.try_get("group_key")?,
+        edits_key: row.try_get("edits_key")?,
         state: DispatchState::parse(&state).ok_or_else(|| bad_value("state", &state))?,
         attempts: row.try_get("attempts")?,
         resends: row.try_get("resends")?,
@@ -118,6 +131,15 @@ pub(super) async fn insert_item(
     tx: &mut Transaction<'static, Sqlite>,
     item: &NewOutboxItem,
 ) -> StoreResult<bool> {
+    insert_item_unless(tx, item, None).await
+}
+
+/// Insert one item unless an item with `unless_key` exists.
+async fn insert_item_unless(
+    tx: &mut Transaction<'static, Sqlite>,
+    item: &NewOutboxItem,
+    unless_key: Option<&str>,
+) -> StoreResult<bool> {
     let done = sqlx::query(INSERT_ITEM)
         .bind(&item.item_key)
         .bind(item.conversation_id)
@@ -130,6 +152,9 @@ pub(super) async fn insert_item(
         .bind(item.kind.as_str())
         .bind(&item.text)
         .bind(item.created_at)
+        .bind(&item.group_key)
+        .bind(&item.edits_key)
+        .bind(unless_key)
         .execute(&mut **tx)
         .await?;
     Ok(done.rows_affected() == 1)
@@ -223,13 +248,29 @@ impl OutboxStore for SqliteStore {
                         == 1
                 }
                 Outcome::Failed { reason } => {
-                    let conversation: Option<i64> = sqlx::query_scalar(FAIL)
+                    let failed = sqlx::query(FAIL)
                         .bind(reason)
                         .bind(s.now)
                         .bind(s.item_id)
                         .bind(s.fencing_token)
                         .fetch_optional(&mut *tx)
                         .await?;
+                    let conversation = match failed {
+                        Some(row) => {
+                            // The chunks of one answer share a fate.
+                            let group: Option<String> = row.try_get("group_key")?;
+                            if let Some(group) = group {
+                                sqlx::query(FAIL_LATER_CHUNKS)
+                                    .bind(s.now)
+                                    .bind(group)
+                                    .bind(row.try_get::<i64, _>("ordinal")?)
+                                    .execute(&mut *tx)
+                                    .await?;
+                            }
+                            Some(row.try_get::<i64, _>("conversation_id")?)
+                        }
+                        None => None,
+                    };
                     release_lane(&mut tx, conversation).await?
                 }
                 Outcome::Ambiguous {
@@ -318,6 +359,82 @@ impl OutboxStore for SqliteStore {
         .fetch_optional(&self.reader)
         .await?;
         row.as_ref().map(item_from_row).transpose()
+    }
+
+    async fn outbox_get_by_key(&self, item_key: &str) -> StoreResult<Option<OutboxItem>> {
+        let row = sqlx::query(FIND_BY_KEY)
+            .bind(item_key)
+            .fetch_optional(&self.reader)
+            .await?;
+        row.as_ref().map(item_from_row).transpose()
+    }
+
+    async fn outbox_replaced(&self, edits_key: &str) -> StoreResult<bool> {
+        let found: Option<i64> = sqlx::query_scalar(REPLACED)
+            .bind(edits_key)
+            .fetch_optional(&self.reader)
+            .await?;
+        Ok(found.is_some())
+    }
+
+    async fn outbox_enqueue_preview(
+        &self,
+        item: &NewOutboxItem,
+        unless_key: &str,
+    ) -> StoreResult<bool> {
+        let mut tx = self.begin_write().await?;
+        let added = insert_item_unless(&mut tx, item, Some(unless_key)).await?;
+        tx.commit().await?;
+        Ok(added)
+    }
+
+    async fn outbox_resolve(&self, id: i64, resolution: Resolution, now: i64) -> StoreResult<bool> {
+        let mut tx = self.begin_write().await?;
+        let sql = match resolution {
+            Resolution::AsSent => {
+                "UPDATE outbox SET state = 'acknowledged', receipt = '{\"operator\":\"as-sent\"}',
+                    reason = 'resolved as sent by an operator', settled_at = ?1
+                 WHERE id = ?2 AND state = 'held'"
+            }
+            Resolution::Drop => {
+                "UPDATE outbox SET state = 'dropped', reason = 'dropped by an operator',
+                    settled_at = ?1
+                 WHERE id = ?2 AND state = 'held'"
+            }
+            // Sent again now, out of its lane's order: the lane moved on
+            // when the item was held.
+            Resolution::Resend => {
+                "UPDATE outbox SET state = 'not_dispatched', head = 1, next_attempt_at = ?1,
+                    fencing_token = fencing_token + 1, resends = resends + 1,
+                    reason = 'resent by an operator', settled_at = NULL
+                 WHERE id = ?2 AND state = 'held'"
+            }
+        };
+        let done = sqlx::query(sql)
+            .bind(now)
+            .bind(id)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn outbox_stats(&self) -> StoreResult<OutboxStats> {
+        let count = |state: &'static str| {
+            sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM outbox WHERE state = ?")
+                .bind(state)
+                .fetch_one(&self.reader)
+        };
+        Ok(OutboxStats {
+            not_dispatched: count("not_dispatched").await?,
+            possibly_dispatched: count("possibly_dispatched").await?,
+            held: count("held").await?,
+            oldest_unsent_created_at: sqlx::query_scalar(
+                "SELECT created_at FROM outbox WHERE state = 'not_dispatched' ORDER BY id LIMIT 1",
+            )
+            .fetch_optional(&self.reader)
+            .await?,
+        })
     }
 
     async fn outbox_list(&self, filter: &OutboxFilter) -> StoreResult<Vec<OutboxItem>> {

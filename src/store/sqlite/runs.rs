@@ -300,6 +300,8 @@ impl RunStore for SqliteStore {
                     run_id: Some(finish.run_id.to_string()),
                     kind: reply.kind,
                     text: reply.text.clone(),
+                    group_key: reply.group_key.clone(),
+                    edits_key: reply.edits_key.clone(),
                     created_at: finish.now,
                 };
                 insert_item(&mut tx, &item).await?;
@@ -319,6 +321,8 @@ impl RunStore for SqliteStore {
                     run_id: Some(finish.run_id.to_string()),
                     kind: ItemKind::Notice,
                     text: notice.text,
+                    group_key: None,
+                    edits_key: None,
                     created_at: finish.now,
                 };
                 insert_item(&mut tx, &item).await?;

@@ -62,7 +62,8 @@ mod tests {
     #[tokio::test]
     async fn echo_streams_pieces_that_add_up_to_the_answer() {
         let (tx, mut rx) = tokio::sync::broadcast::channel(64);
-        let sink = DeltaSink::new(7, 3, 1, String::new(), tx);
+        let detached = DeltaSink::detached();
+        let sink = DeltaSink::new(7, 3, detached.route(), 1, String::new(), tx);
         let request = ModelRequest {
             run_id: 7,
             conversation_id: 3,

@@ -104,6 +104,7 @@ pub fn build(config: &ModelConfig) -> Result<Box<dyn Model>, String> {
 pub struct DeltaSink {
     run_id: String,
     conversation_id: i64,
+    route: std::sync::Arc<crate::runtime::Route>,
     /// What earlier steps of the same run said, before this call's text.
     prefix: String,
     epoch: AtomicU32,
@@ -116,6 +117,7 @@ impl DeltaSink {
     pub fn new(
         run_id: i64,
         conversation_id: i64,
+        route: std::sync::Arc<crate::runtime::Route>,
         epoch: u32,
         prefix: String,
         events: broadcast::Sender<RunDelta>,
@@ -123,6 +125,7 @@ impl DeltaSink {
         DeltaSink {
             run_id: run_id.to_string(),
             conversation_id,
+            route,
             prefix,
             epoch: AtomicU32::new(epoch),
             sequence: AtomicU64::new(0),
@@ -133,7 +136,21 @@ impl DeltaSink {
 
     /// A sink that publishes nowhere (tests).
     pub fn detached() -> Self {
-        DeltaSink::new(0, 0, 1, String::new(), broadcast::channel(1).0)
+        let route = crate::runtime::Route {
+            account: String::new(),
+            chat_id: String::new(),
+            thread_id: None,
+            surface: SurfaceKind::Webhook,
+            reply_to: None,
+        };
+        DeltaSink::new(
+            0,
+            0,
+            std::sync::Arc::new(route),
+            1,
+            String::new(),
+            broadcast::channel(1).0,
+        )
     }
 
     /// Append a piece of the answer.
@@ -150,6 +167,7 @@ impl DeltaSink {
         let _ = self.events.send(RunDelta {
             run_id: self.run_id.clone(),
             conversation_id: self.conversation_id,
+            route: self.route.clone(),
             epoch: self.epoch.load(Ordering::SeqCst),
             sequence,
             delta: delta.to_owned(),
@@ -168,6 +186,10 @@ impl DeltaSink {
     /// This call's text so far.
     pub fn text(&self) -> String {
         self.text.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    pub fn route(&self) -> std::sync::Arc<crate::runtime::Route> {
+        self.route.clone()
     }
 
     pub fn epoch(&self) -> u32 {
