@@ -40,11 +40,22 @@ pub(super) const PROMOTE_HEAD: &str = "UPDATE outbox SET head = 1
      AND state IN ('not_dispatched', 'possibly_dispatched')
      ORDER BY ordinal LIMIT 1)
      AND head = 0";
-pub(super) const ACK: &str =
-    "UPDATE outbox SET state = 'acknowledged', head = 0, receipt = ?, reason = NULL,
-     settled_at = ?, lease_owner = NULL, lease_expires_at = NULL
-     WHERE id = ? AND fencing_token = ? AND state = 'possibly_dispatched'
-     RETURNING conversation_id";
+// Acknowledgements of a whole batch in one statement (the common outcome),
+// fenced per item: `?2` is a JSON array of {"i": id, "t": token, "r": receipt}.
+pub(super) const ACK_MANY: &str =
+    "UPDATE outbox SET state = 'acknowledged', head = 0, receipt = j.value ->> '$.r', reason = NULL,
+     settled_at = ?1, lease_owner = NULL, lease_expires_at = NULL
+     FROM json_each(?2) AS j
+     WHERE outbox.id = j.value ->> '$.i' AND outbox.fencing_token = j.value ->> '$.t'
+     AND +outbox.state = 'possibly_dispatched'
+     RETURNING outbox.id, outbox.conversation_id";
+// The next head of each lane in `?1` (a JSON array of conversation ids).
+pub(super) const PROMOTE_MANY: &str = "UPDATE outbox SET head = 1
+     WHERE head = 0 AND id IN (
+     SELECT (SELECT o.id FROM outbox o WHERE o.conversation_id = c.value
+     AND o.state IN ('not_dispatched', 'possibly_dispatched')
+     ORDER BY o.ordinal LIMIT 1)
+     FROM json_each(?1) AS c)";
 pub(super) const RETRY: &str = "UPDATE outbox SET state = 'not_dispatched', next_attempt_at = ?,
      attempts = attempts + ?, reason = ?, lease_owner = NULL,
      lease_expires_at = NULL
@@ -218,19 +229,47 @@ impl OutboxStore for SqliteStore {
 
     async fn outbox_settle(&self, batch: &[Settlement]) -> StoreResult<Vec<bool>> {
         let mut tx = self.begin_write().await?;
-        let mut out = Vec::with_capacity(batch.len());
-        for s in batch {
-            let applied = match &s.outcome {
-                Outcome::Acknowledged { receipt } => {
-                    let conversation: Option<i64> = sqlx::query_scalar(ACK)
-                        .bind(receipt)
-                        .bind(s.now)
-                        .bind(s.item_id)
-                        .bind(s.fencing_token)
-                        .fetch_optional(&mut *tx)
-                        .await?;
-                    release_lane(&mut tx, conversation).await?
+        let mut out = vec![false; batch.len()];
+        // Acknowledgements, the common outcome, go in two statements for the
+        // whole batch: one fenced update, one promotion of the lanes' next
+        // heads. The rarer outcomes go one by one below.
+        let acks: Vec<serde_json::Value> = batch
+            .iter()
+            .filter_map(|s| match &s.outcome {
+                Outcome::Acknowledged { receipt } => Some(serde_json::json!({
+                    "i": s.item_id, "t": s.fencing_token, "r": receipt
+                })),
+                _ => None,
+            })
+            .collect();
+        if !acks.is_empty() {
+            let now = batch.iter().map(|s| s.now).max().unwrap_or_default();
+            let acked = sqlx::query(ACK_MANY)
+                .bind(now)
+                .bind(serde_json::Value::Array(acks).to_string())
+                .fetch_all(&mut *tx)
+                .await?;
+            let mut conversations = Vec::with_capacity(acked.len());
+            let mut done = std::collections::HashSet::with_capacity(acked.len());
+            for row in &acked {
+                done.insert(row.try_get::<i64, _>(0)?);
+                conversations.push(row.try_get::<i64, _>(1)?);
+            }
+            if !conversations.is_empty() {
+                sqlx::query(PROMOTE_MANY)
+                    .bind(serde_json::Value::from(conversations).to_string())
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            for (slot, s) in out.iter_mut().zip(batch) {
+                if matches!(s.outcome, Outcome::Acknowledged { .. }) {
+                    *slot = done.contains(&s.item_id);
                 }
+            }
+        }
+        for (slot, s) in out.iter_mut().zip(batch) {
+            let applied = match &s.outcome {
+                Outcome::Acknowledged { .. } => continue,
                 Outcome::Retry {
                     next_attempt_at,
                     counts,
@@ -288,7 +327,7 @@ impl OutboxStore for SqliteStore {
                         == 1
                 }
             };
-            out.push(applied);
+            *slot = applied;
         }
         tx.commit().await?;
         Ok(out)
