@@ -9,6 +9,10 @@
 //! | `GET /v1/inbound?disposition=D&limit=N` | journal rows, newest first |
 //! | `GET /v1/outbox?state=S&conversation=C&limit=N` | outbox items, newest first |
 //! | `POST /v1/outbox/{id}/resolve` `{"action": "as-sent" \| "resend" \| "drop"}` | settle a `held` item |
+//! | `POST /v1/schedules` (JSON as `schedule add`) | add a schedule |
+//! | `GET /v1/schedules?account=NAME&chat_id=C&state=S&limit=N` | schedules, newest first |
+//! | `GET /v1/schedules/{id}` | a schedule and its recent occurrences |
+//! | `POST /v1/schedules/{id}/pause`, `/resume`, `/cancel` | change its state |
 
 use std::sync::Arc;
 
@@ -34,6 +38,9 @@ pub struct AdminState {
     pub observer: Arc<Observer>,
     pub store: SharedStore,
     pub clock: SharedClock,
+    pub config: Arc<crate::config::Config>,
+    /// Woken when a schedule is added.
+    pub scheduler_wake: Arc<tokio::sync::Notify>,
 }
 
 pub fn router(state: AdminState) -> Router {
@@ -43,6 +50,9 @@ pub fn router(state: AdminState) -> Router {
         .route("/v1/inbound", get(inbound))
         .route("/v1/outbox", get(outbox))
         .route("/v1/outbox/{id}/resolve", post(resolve))
+        .route("/v1/schedules", post(schedule_add).get(schedule_list))
+        .route("/v1/schedules/{id}", get(schedule_show))
+        .route("/v1/schedules/{id}/{verb}", post(schedule_transition))
         .with_state(state)
 }
 
@@ -175,5 +185,111 @@ async fn resolve(
             format!("outbox item {id} is not held"),
         ),
         Err(e) => problem(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+    }
+}
+
+fn schedule_problem(e: crate::schedule::ops::OpError) -> Response {
+    use crate::schedule::ops::OpError;
+    match e {
+        OpError::Invalid(why) => problem(StatusCode::BAD_REQUEST, why),
+        OpError::NotFound(id) => problem(StatusCode::NOT_FOUND, format!("no schedule {id}")),
+        OpError::Store(e) => problem(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+    }
+}
+
+async fn schedule_add(
+    State(state): State<AdminState>,
+    body: Result<Json<crate::schedule::ops::AddSchedule>, axum::extract::rejection::JsonRejection>,
+) -> Response {
+    let Json(add) = match body {
+        Ok(b) => b,
+        Err(e) => return problem(StatusCode::BAD_REQUEST, format!("not a schedule: {e}")),
+    };
+    match crate::schedule::ops::add(
+        &state.store,
+        &state.config,
+        state.clock.now_ms(),
+        &add,
+        "api",
+    )
+    .await
+    {
+        Ok(schedule) => {
+            state.scheduler_wake.notify_one();
+            (StatusCode::CREATED, Json(json!({ "schedule": schedule }))).into_response()
+        }
+        Err(e) => schedule_problem(e),
+    }
+}
+
+#[derive(Deserialize)]
+struct ScheduleQuery {
+    account: Option<String>,
+    chat_id: Option<String>,
+    state: Option<String>,
+    #[serde(default = "default_limit")]
+    limit: usize,
+}
+
+async fn schedule_list(
+    State(state): State<AdminState>,
+    Query(q): Query<ScheduleQuery>,
+) -> Response {
+    let schedule_state = match q
+        .state
+        .as_deref()
+        .map(|s| (s, crate::store::ScheduleState::parse(s)))
+    {
+        None => None,
+        Some((_, Some(s))) => Some(s),
+        Some((s, None)) => {
+            return problem(
+                StatusCode::BAD_REQUEST,
+                format!("unknown schedule state {s:?}"),
+            );
+        }
+    };
+    let account = match q.account {
+        Some(name) => match state.store.channel_account(&name).await {
+            Ok(Some((identity, _))) => Some(identity),
+            Ok(None) => {
+                return problem(
+                    StatusCode::NOT_FOUND,
+                    format!("no channel account named {name:?}"),
+                );
+            }
+            Err(e) => return problem(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+        },
+        None => None,
+    };
+    let filter = crate::store::ScheduleFilter {
+        account,
+        chat_id: q.chat_id,
+        state: schedule_state,
+        limit: q.limit.min(1000),
+    };
+    match state.store.schedule_list(&filter).await {
+        Ok(rows) => Json(json!({ "schedules": rows })).into_response(),
+        Err(e) => problem(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+    }
+}
+
+async fn schedule_show(State(state): State<AdminState>, Path(id): Path<i64>) -> Response {
+    match crate::schedule::ops::show(&state.store, id).await {
+        Ok(detail) => Json(detail).into_response(),
+        Err(e) => schedule_problem(e),
+    }
+}
+
+async fn schedule_transition(
+    State(state): State<AdminState>,
+    Path((id, verb)): Path<(i64, String)>,
+) -> Response {
+    match crate::schedule::ops::transition(&state.store, state.clock.now_ms(), id, &verb).await {
+        Ok(schedule) => {
+            state.scheduler_wake.notify_one();
+            Json(json!({ "schedule": schedule })).into_response()
+        }
+        Err(e) => schedule_problem(e),
     }
 }

@@ -1,5 +1,6 @@
 //! Chat commands, in the core so every channel has them: `/stop`, `/new`,
-//! `/help`. (The scheduler adds its own to the same router.)
+//! `/help`, and the scheduler's `/remind`, `/schedules`, `/cancel`,
+//! `/timezone`.
 //!
 //! A command is recognised in the text of a message; `/cmd@name` is the
 //! same command (platforms append the bot's name in groups; whether it names
@@ -15,6 +16,14 @@ pub enum Command {
     New,
     /// List the commands.
     Help,
+    /// Set a reminder (`/remind in 10m text`).
+    Remind,
+    /// List this chat's schedules.
+    Schedules,
+    /// Cancel one of this chat's schedules.
+    Cancel,
+    /// Show or set the chat's time zone.
+    Timezone,
 }
 
 impl Command {
@@ -23,21 +32,33 @@ impl Command {
             Command::Stop => "/stop",
             Command::New => "/new",
             Command::Help => "/help",
+            Command::Remind => "/remind",
+            Command::Schedules => "/schedules",
+            Command::Cancel => "/cancel",
+            Command::Timezone => "/timezone",
         }
     }
 }
 
-/// The command a message's text is, if any.
-pub fn parse(text: &str) -> Option<Command> {
-    let word = text.split_whitespace().next()?;
+/// The command a message's text is, if any, with its arguments.
+pub fn parse(text: &str) -> Option<(Command, &str)> {
+    let text = text.trim_start();
+    let (word, args) = text
+        .split_once(char::is_whitespace)
+        .map_or((text, ""), |(w, a)| (w, a.trim()));
     let name = word.strip_prefix('/')?;
     let name = name.split_once('@').map_or(name, |(n, _)| n);
-    match name.to_ascii_lowercase().as_str() {
-        "stop" => Some(Command::Stop),
-        "new" | "reset" => Some(Command::New),
-        "help" | "start" => Some(Command::Help),
-        _ => None,
-    }
+    let command = match name.to_ascii_lowercase().as_str() {
+        "stop" => Command::Stop,
+        "new" | "reset" => Command::New,
+        "help" | "start" => Command::Help,
+        "remind" => Command::Remind,
+        "schedules" => Command::Schedules,
+        "cancel" => Command::Cancel,
+        "timezone" | "tz" => Command::Timezone,
+        _ => return None,
+    };
+    Some((command, args))
 }
 
 #[cfg(test)]
@@ -46,11 +67,16 @@ mod tests {
 
     #[test]
     fn commands_are_recognised_with_or_without_a_bot_name() {
-        assert_eq!(parse("/stop"), Some(Command::Stop));
-        assert_eq!(parse("  /STOP please"), Some(Command::Stop));
-        assert_eq!(parse("/stop@my_bot"), Some(Command::Stop));
-        assert_eq!(parse("/new"), Some(Command::New));
-        assert_eq!(parse("/help"), Some(Command::Help));
+        assert_eq!(parse("/stop"), Some((Command::Stop, "")));
+        assert_eq!(parse("  /STOP please"), Some((Command::Stop, "please")));
+        assert_eq!(parse("/stop@my_bot"), Some((Command::Stop, "")));
+        assert_eq!(parse("/new"), Some((Command::New, "")));
+        assert_eq!(parse("/help"), Some((Command::Help, "")));
+        assert_eq!(
+            parse("/remind in 10m tea"),
+            Some((Command::Remind, "in 10m tea"))
+        );
+        assert_eq!(parse("/cancel 12"), Some((Command::Cancel, "12")));
         assert_eq!(parse("/weather in Paris"), None);
         assert_eq!(parse("stop"), None);
         assert_eq!(parse(""), None);

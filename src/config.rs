@@ -56,6 +56,86 @@ pub struct Config {
     /// Texts Switchboard itself sends to users.
     #[serde(default)]
     pub messages: Messages,
+    /// Durable user schedules (reminders, recurring prompts).
+    #[serde(default)]
+    pub scheduler: SchedulerConfig,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SchedulerConfig {
+    /// How often the scheduler looks for due slots, in milliseconds (it
+    /// also wakes at the next due slot).
+    #[serde(default = "default_scheduler_poll_ms")]
+    pub poll_ms: u64,
+    /// How long a claimed occurrence is owned, in seconds.
+    #[serde(default = "default_scheduler_lease_secs")]
+    pub lease_secs: u64,
+    /// A slot found due later than this (seconds) was missed (the daemon
+    /// was down or stalled): the schedule's missed-run policy decides.
+    #[serde(default = "default_late_tolerance_secs")]
+    pub late_tolerance_secs: u64,
+    /// `fire-all` fires at most this many missed slots (the latest ones).
+    #[serde(default = "default_max_catch_up")]
+    pub max_catch_up: usize,
+    /// The missed-run policy of new schedules unless they name one:
+    /// `skip`, `fire-once` or `fire-all`.
+    #[serde(default = "default_missed_policy")]
+    pub default_missed: String,
+    /// Attempts to fire an occurrence before it fails.
+    #[serde(default = "default_scheduler_attempts")]
+    pub max_attempts: i64,
+    /// First retry delay of an occurrence, in milliseconds (doubles, with
+    /// jitter, up to `retry_cap_ms`).
+    #[serde(default = "default_scheduler_retry_base_ms")]
+    pub retry_base_ms: u64,
+    #[serde(default = "default_scheduler_retry_cap_ms")]
+    pub retry_cap_ms: u64,
+    /// For crash tests only: wait this long between claiming an occurrence
+    /// and firing it. 0 in production.
+    #[serde(default)]
+    pub hold_after_claim_ms: u64,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig {
+            poll_ms: default_scheduler_poll_ms(),
+            lease_secs: default_scheduler_lease_secs(),
+            late_tolerance_secs: default_late_tolerance_secs(),
+            max_catch_up: default_max_catch_up(),
+            default_missed: default_missed_policy(),
+            max_attempts: default_scheduler_attempts(),
+            retry_base_ms: default_scheduler_retry_base_ms(),
+            retry_cap_ms: default_scheduler_retry_cap_ms(),
+            hold_after_claim_ms: 0,
+        }
+    }
+}
+
+fn default_scheduler_poll_ms() -> u64 {
+    500
+}
+fn default_scheduler_lease_secs() -> u64 {
+    60
+}
+fn default_late_tolerance_secs() -> u64 {
+    60
+}
+fn default_max_catch_up() -> usize {
+    10
+}
+fn default_missed_policy() -> String {
+    "fire-once".into()
+}
+fn default_scheduler_attempts() -> i64 {
+    5
+}
+fn default_scheduler_retry_base_ms() -> u64 {
+    1000
+}
+fn default_scheduler_retry_cap_ms() -> u64 {
+    60_000
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -449,7 +529,7 @@ fn default_msg_new_conversation() -> String {
     "Started a new conversation.".into()
 }
 fn default_msg_help() -> String {
-    "Commands:\n/stop - stop the current answer and drop the messages waiting for one\n/new - start a new conversation\n/help - this list".into()
+    "Commands:\n/stop - stop the current answer and drop the messages waiting for one\n/new - start a new conversation\n/remind in 10m <text> | at 2026-12-24 18:00 <text> | every \"0 9 * * MON-FRI\" <text> - set a reminder\n/schedules - this chat's reminders\n/cancel <id> - cancel one\n/timezone Europe/Berlin - set this chat's time zone\n/help - this list".into()
 }
 
 /// One channel account.
@@ -971,6 +1051,18 @@ impl Config {
         }
         if self.outbox.lease_secs == 0 {
             problem("outbox.lease_secs".into(), "must be at least 1".into());
+        }
+        if crate::store::MissedPolicy::parse(&self.scheduler.default_missed).is_none() {
+            problem(
+                "scheduler.default_missed".into(),
+                format!(
+                    "{:?} is not a missed-run policy; use skip, fire-once or fire-all",
+                    self.scheduler.default_missed
+                ),
+            );
+        }
+        if self.scheduler.max_attempts < 1 {
+            problem("scheduler.max_attempts".into(), "must be at least 1".into());
         }
         if self.submitter.batch_size == 0 {
             problem("submitter.batch_size".into(), "must be at least 1".into());

@@ -36,6 +36,7 @@ use crate::outbox::shape::Shaper;
 use crate::outbox::stream::Streamer;
 use crate::runtime::Runtime;
 use crate::runtime::local::{Deps, LocalRuntime};
+use crate::schedule::Scheduler;
 use crate::store::sqlite::OpenMode;
 use crate::store::{self, SharedStore};
 use crate::submitter::Submitter;
@@ -58,6 +59,7 @@ pub struct Daemon {
     workers_stop: CancellationToken,
     submitter: JoinHandle<()>,
     reconciler: JoinHandle<()>,
+    scheduler: JoinHandle<()>,
     /// Stops the dispatcher's claiming; `dispatch_deadline` ends its drain.
     dispatch_stop: CancellationToken,
     dispatch_deadline: CancellationToken,
@@ -89,7 +91,9 @@ impl Daemon {
         let observer: SharedObserver = Arc::new(Observer::new());
         let submitter_wake = Arc::new(Notify::new());
         let dispatcher_wake = Arc::new(Notify::new());
+        let scheduler_wake = Arc::new(Notify::new());
         let owner = lease_owner(clock.now_ms());
+        let started_ms = clock.now_ms();
 
         // Channel accounts: their ingress side and their adapters.
         let mut accounts = Vec::new();
@@ -152,6 +156,7 @@ impl Daemon {
             runtimes.insert(name.clone(), built);
         }
 
+        let accounts_registered = accounts.clone();
         let (ingress, _journal_task) = Ingress::start(
             store.clone(),
             accounts,
@@ -179,6 +184,8 @@ impl Daemon {
             observer: observer.clone(),
             store: store.clone(),
             clock: clock.clone(),
+            config: config.clone(),
+            scheduler_wake: scheduler_wake.clone(),
         });
         let listeners = vec![
             spawn_server("server", server_listener, public, listeners_stop.clone()),
@@ -219,7 +226,7 @@ impl Daemon {
             clock.clone(),
             observer.clone(),
             dispatcher_wake.clone(),
-            owner,
+            owner.clone(),
         );
         let reconciler = Reconciler {
             store: store.clone(),
@@ -228,6 +235,29 @@ impl Daemon {
             clock: clock.clone(),
             observer: observer.clone(),
             dispatcher_wake: dispatcher_wake.clone(),
+        };
+        // Operator tools name accounts by their configured name.
+        for account in &accounts_registered {
+            store
+                .channel_account_register(
+                    &account.name,
+                    &account.identity,
+                    account.platform.as_str(),
+                    started_ms,
+                )
+                .await
+                .context("registering channel accounts")?;
+        }
+        let scheduler = Scheduler {
+            store: store.clone(),
+            runtimes: runtimes.clone(),
+            accounts: account_names.clone(),
+            config: config.clone(),
+            clock: clock.clone(),
+            observer: observer.clone(),
+            outbox_wake: dispatcher_wake.clone(),
+            wake: scheduler_wake.clone(),
+            owner: owner.clone(),
         };
         let submitter = Submitter {
             store: store.clone(),
@@ -238,6 +268,7 @@ impl Daemon {
             observer: observer.clone(),
             wake: submitter_wake,
             outbox_wake: dispatcher_wake.clone(),
+            scheduler_wake: scheduler_wake.clone(),
         };
 
         let workers_stop = CancellationToken::new();
@@ -279,6 +310,10 @@ impl Daemon {
                 }
                 reconciler.run(reconcile_interval, stop).await
             })
+        };
+        let scheduler = {
+            let stop = workers_stop.clone();
+            tokio::spawn(async move { scheduler.run(stop).await })
         };
         let submitter = {
             let stop = workers_stop.clone();
@@ -322,6 +357,7 @@ impl Daemon {
             workers_stop,
             submitter,
             reconciler,
+            scheduler,
             dispatch_stop,
             dispatch_deadline,
             dispatcher,
@@ -344,6 +380,7 @@ impl Daemon {
         self.workers_stop.cancel();
         let _ = self.submitter.await;
         let _ = self.reconciler.await;
+        let _ = self.scheduler.await;
 
         // Runtimes and the dispatcher share the deadline: runs in flight may
         // still produce reply items during the grace period, and the

@@ -259,6 +259,11 @@ fn print_event(started: Instant, event: &Event) {
             detail,
         } => format!("send     {item_key}: {kind}: {detail}"),
         Event::Reconciled { item_key, action } => format!("reconcile {item_key}: {action}"),
+        Event::Occurrence {
+            schedule_id,
+            key,
+            outcome,
+        } => format!("schedule {schedule_id}: {key} {outcome}"),
         Event::Fenced { item_key } => {
             format!("fenced   {item_key}: a stale worker's outcome was rejected")
         }

@@ -95,7 +95,7 @@ impl Ingress {
         // so the chat's next update, however soon, starts a new one.
         let closes_conversation = matches!(
             &envelope.content,
-            Content::Message { text, .. } if commands::parse(text) == Some(Command::New)
+            Content::Message { text, .. } if matches!(commands::parse(text), Some((Command::New, _)))
         );
         let (sender_id, sender_name) = match envelope.sender {
             Some(s) => (Some(s.id), s.name),

@@ -37,6 +37,7 @@ pub mod keys;
 pub mod observe;
 pub mod outbox;
 pub mod runtime;
+pub mod schedule;
 pub mod store;
 pub mod submitter;
 pub mod surface;

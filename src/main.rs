@@ -34,6 +34,8 @@ struct ConfigArg {
     config: PathBuf,
 }
 
+// Parsed once per process; boxing clap's arguments would buy nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Command {
     /// Run the daemon until SIGTERM or SIGINT.
@@ -58,6 +60,94 @@ enum Command {
     Runs {
         #[command(subcommand)]
         command: RunsCommand,
+    },
+    /// Durable schedules: reminders and recurring prompts.
+    Schedule {
+        #[command(subcommand)]
+        command: ScheduleCommand,
+    },
+}
+
+// Parsed once per process; boxing clap's arguments would buy nothing.
+#[allow(clippy::large_enum_variant)]
+#[derive(Subcommand)]
+enum ScheduleCommand {
+    /// Add a schedule (a running daemon picks it up).
+    Add {
+        #[command(flatten)]
+        config: ConfigArg,
+        /// The channel account's configured name.
+        #[arg(long)]
+        account: String,
+        /// The chat to deliver to.
+        #[arg(long)]
+        chat: String,
+        #[arg(long)]
+        thread: Option<String>,
+        /// private (default) or group.
+        #[arg(long)]
+        chat_kind: Option<String>,
+        /// An instant: RFC 3339 with offset, or "2026-12-24 18:00" with --timezone.
+        #[arg(long, group = "when")]
+        at: Option<String>,
+        /// A duration from now: 10m, 2h30m, 1d.
+        #[arg(long, group = "when")]
+        after: Option<String>,
+        /// A cron expression (needs --timezone): "0 9 * * MON-FRI".
+        #[arg(long, group = "when")]
+        every: Option<String>,
+        /// An IANA time zone, e.g. Europe/Berlin.
+        #[arg(long)]
+        timezone: Option<String>,
+        /// Deliver this text to the chat.
+        #[arg(long, group = "what")]
+        message: Option<String>,
+        /// Submit this text to the runtime as an input of the chat's conversation.
+        #[arg(long, group = "what")]
+        prompt: Option<String>,
+        /// skip, fire-once or fire-all.
+        #[arg(long)]
+        missed: Option<String>,
+        #[arg(long)]
+        max_attempts: Option<i64>,
+    },
+    /// Schedules, newest first.
+    List {
+        #[command(flatten)]
+        config: ConfigArg,
+        #[arg(long)]
+        account: Option<String>,
+        #[arg(long)]
+        chat: Option<String>,
+        /// active, paused, completed, failed, cancelled.
+        #[arg(long)]
+        state: Option<String>,
+        #[arg(long, default_value_t = 50)]
+        limit: usize,
+    },
+    /// One schedule and its recent occurrences.
+    Show {
+        #[command(flatten)]
+        config: ConfigArg,
+        id: i64,
+    },
+    /// Stop firing until resumed.
+    Pause {
+        #[command(flatten)]
+        config: ConfigArg,
+        id: i64,
+    },
+    /// Fire again (missed slots follow the schedule's missed-run policy).
+    Resume {
+        #[command(flatten)]
+        config: ConfigArg,
+        id: i64,
+    },
+    /// Never fire again.
+    Cancel {
+        #[command(flatten)]
+        config: ConfigArg,
+        id: i64,
     },
 }
 
@@ -286,6 +376,7 @@ async fn dispatch(command: Command) -> ExitCode {
                 Err(e) => fail(e),
             }
         }
+        Command::Schedule { command } => schedule_command(command).await,
         Command::Runs {
             command:
                 RunsCommand::List {
@@ -311,6 +402,155 @@ async fn dispatch(command: Command) -> ExitCode {
             };
             print_or_fail(switchboard::cli::runs_list(&store, conversation, state, limit).await)
         }
+    }
+}
+
+async fn schedule_command(command: ScheduleCommand) -> ExitCode {
+    use switchboard::schedule::ops;
+    let now = switchboard::clock::Clock::now_ms(&switchboard::clock::SystemClock);
+    let (config_arg, id) = match &command {
+        ScheduleCommand::Add { config, .. } | ScheduleCommand::List { config, .. } => {
+            (config, None)
+        }
+        ScheduleCommand::Show { config, id }
+        | ScheduleCommand::Pause { config, id }
+        | ScheduleCommand::Resume { config, id }
+        | ScheduleCommand::Cancel { config, id } => (config, Some(*id)),
+    };
+    let config = match load(config_arg) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    let store = match store::open(&config.store, OpenMode::Tool).await {
+        Ok(s) => s,
+        Err(e) => return fail(e),
+    };
+    let result: Result<String, ops::OpError> = match command {
+        ScheduleCommand::Add {
+            account,
+            chat,
+            thread,
+            chat_kind,
+            at,
+            after,
+            every,
+            timezone,
+            message,
+            prompt,
+            missed,
+            max_attempts,
+            ..
+        } => {
+            let add = ops::AddSchedule {
+                account,
+                chat_id: chat,
+                thread_id: thread,
+                chat_kind,
+                at,
+                after,
+                every,
+                timezone,
+                message,
+                prompt,
+                missed,
+                max_attempts,
+            };
+            ops::add(&store, &config, now, &add, "cli")
+                .await
+                .map(|s| format!("schedule {} added\n{}", s.id, ops::describe(&s)))
+        }
+        ScheduleCommand::List {
+            account,
+            chat,
+            state,
+            limit,
+            ..
+        } => {
+            let state = match parse_choice(
+                state,
+                "schedule state",
+                store::ScheduleState::parse,
+                store::ScheduleState::ALL,
+                store::ScheduleState::as_str,
+            ) {
+                Ok(s) => s,
+                Err(code) => return code,
+            };
+            let account = match account {
+                Some(name) => match store.channel_account(&name).await {
+                    Ok(Some((identity, _))) => Some(identity),
+                    Ok(None) => {
+                        eprintln!(
+                            "switchboard: no channel account named {name:?} has run on this store"
+                        );
+                        return ExitCode::from(2);
+                    }
+                    Err(e) => return fail(e),
+                },
+                None => None,
+            };
+            store
+                .schedule_list(&store::ScheduleFilter {
+                    account,
+                    chat_id: chat,
+                    state,
+                    limit,
+                })
+                .await
+                .map(|rows| {
+                    rows.iter()
+                        .map(ops::describe)
+                        .collect::<Vec<_>>()
+                        .join("\n")
+                })
+                .map_err(ops::OpError::from)
+        }
+        ScheduleCommand::Show { .. } => ops::show(&store, id.unwrap_or_default()).await.map(|d| {
+            let mut out = ops::describe(&d.schedule);
+            for o in &d.occurrences {
+                out.push_str(&format!(
+                    "\n  {}  slot {}  {}  attempts {}{}",
+                    o.key,
+                    switchboard::schedule::spec::show(
+                        o.slot_at,
+                        switchboard::schedule::zone_of(&d.schedule)
+                    ),
+                    o.state,
+                    o.attempts,
+                    o.reason
+                        .as_deref()
+                        .map(|r| format!("  ({r})"))
+                        .unwrap_or_default()
+                ));
+            }
+            out
+        }),
+        ScheduleCommand::Pause { .. } => {
+            ops::transition(&store, now, id.unwrap_or_default(), "pause")
+                .await
+                .map(|s| ops::describe(&s))
+        }
+        ScheduleCommand::Resume { .. } => {
+            ops::transition(&store, now, id.unwrap_or_default(), "resume")
+                .await
+                .map(|s| ops::describe(&s))
+        }
+        ScheduleCommand::Cancel { .. } => {
+            ops::transition(&store, now, id.unwrap_or_default(), "cancel")
+                .await
+                .map(|s| ops::describe(&s))
+        }
+    };
+    match result {
+        Ok(text) => {
+            println!("{text}");
+            ExitCode::SUCCESS
+        }
+        Err(ops::OpError::Invalid(why)) => {
+            eprintln!("switchboard: {why}");
+            ExitCode::from(2)
+        }
+        Err(e) => fail(e),
     }
 }
 

@@ -69,6 +69,12 @@ pub enum Event {
     },
     /// A stale worker's outcome was rejected by the item's fencing token.
     Fenced { item_key: String },
+    /// A schedule occurrence fired, will be retried, or failed.
+    Occurrence {
+        schedule_id: i64,
+        key: String,
+        outcome: &'static str,
+    },
 }
 
 /// Counters and the event stream.
@@ -83,6 +89,8 @@ pub struct Observer {
     sends: Family<Labels, Counter>,
     reconciliations: Family<Labels, Counter>,
     outbox_items: Family<Labels, Gauge>,
+    occurrences: Family<Labels, Counter>,
+    schedule_lag: Gauge<f64, std::sync::atomic::AtomicU64>,
     oldest_unsent_age: Gauge<f64, std::sync::atomic::AtomicU64>,
     events: broadcast::Sender<Event>,
 }
@@ -145,6 +153,18 @@ impl Observer {
             "Age of the oldest not-dispatched outbox item (0 when none)",
             oldest_unsent_age.clone(),
         );
+        let occurrences = Family::<Labels, Counter>::default();
+        registry.register(
+            "switchboard_schedule_occurrences",
+            "Schedule occurrences handled, by outcome (fired, retry, failed)",
+            occurrences.clone(),
+        );
+        let schedule_lag = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
+        registry.register(
+            "switchboard_schedule_lag_seconds",
+            "How late the last schedule occurrence was handled after its slot",
+            schedule_lag.clone(),
+        );
         let (events, _) = broadcast::channel(4096);
         Observer {
             registry,
@@ -157,6 +177,8 @@ impl Observer {
             sends,
             reconciliations,
             outbox_items,
+            occurrences,
+            schedule_lag,
             oldest_unsent_age,
             events,
         }
@@ -307,6 +329,18 @@ impl Observer {
             .oldest_unsent_created_at
             .map_or(0.0, |t| ((now_ms - t).max(0) as f64) / 1000.0);
         self.oldest_unsent_age.set(age);
+    }
+
+    pub fn occurrence(&self, schedule_id: i64, key: &str, outcome: &'static str, lag_ms: i64) {
+        self.occurrences
+            .get_or_create(&vec![("outcome", outcome.to_owned())])
+            .inc();
+        self.schedule_lag.set(lag_ms.max(0) as f64 / 1000.0);
+        self.emit(Event::Occurrence {
+            schedule_id,
+            key: key.to_owned(),
+            outcome,
+        });
     }
 
     /// A stale worker's outcome was rejected by the fencing token.

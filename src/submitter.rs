@@ -26,6 +26,7 @@ use crate::config::Config;
 use crate::keys;
 use crate::observe::SharedObserver;
 use crate::runtime::{Input, Runtime, Stop, Submission, SubmitError};
+use crate::schedule;
 use crate::store::{
     Admitted, Disposition, InboundRow, ItemKind, NewOutboxItem, SharedStore, StoreError,
 };
@@ -45,6 +46,8 @@ pub struct Submitter {
     pub wake: Arc<Notify>,
     /// Wakes the dispatcher when a notice was written.
     pub outbox_wake: Arc<Notify>,
+    /// Wakes the scheduler when a schedule was created.
+    pub scheduler_wake: Arc<Notify>,
 }
 
 /// What one round achieved.
@@ -61,8 +64,8 @@ pub struct Round {
 enum Step {
     /// A submission for its runtime.
     Submit(Box<Submission>),
-    /// A command the core handles.
-    Command(Command),
+    /// A command the core handles, with its arguments.
+    Command(Command, String),
     /// Settled without a run.
     Settle(Disposition, String),
 }
@@ -158,7 +161,7 @@ impl Submitter {
                     batch_runtime = Some(runtime_name);
                     batch.push((row, *submission));
                 }
-                Step::Command(command) => {
+                Step::Command(command, args) => {
                     // Everything before the command is admitted first.
                     self.flush(
                         &mut batch,
@@ -173,7 +176,10 @@ impl Submitter {
                         round.deferred += 1;
                         continue;
                     }
-                    if self.command(&row, command, &runtime_name, now).await? {
+                    if self
+                        .command(&row, command, &args, &runtime_name, now)
+                        .await?
+                    {
                         round.settled += 1;
                     } else {
                         blocked.insert(row.conversation_id);
@@ -230,8 +236,8 @@ impl Submitter {
                 );
             }
         };
-        if let Some(command) = commands::parse(&text) {
-            return Step::Command(command);
+        if let Some((command, args)) = commands::parse(&text) {
+            return Step::Command(command, args.to_owned());
         }
         let account_name = self
             .accounts
@@ -336,6 +342,7 @@ impl Submitter {
         &self,
         row: &InboundRow,
         command: Command,
+        args: &str,
         runtime_name: &str,
         now: i64,
     ) -> Result<bool, StoreError> {
@@ -345,6 +352,8 @@ impl Submitter {
             reason: command.name().to_owned(),
             notice: self.notice(row, command.name().trim_start_matches('/'), text, now),
         };
+        let reply =
+            |text: String| self.notice(row, command.name().trim_start_matches('/'), &text, now);
         match command {
             Command::Help => {
                 let notice = self.notice(row, "help", &messages.help, now);
@@ -353,6 +362,52 @@ impl Submitter {
                     Disposition::Command,
                     command.name(),
                     Some(&notice),
+                    now,
+                )
+                .await?;
+            }
+            Command::Remind => {
+                let text =
+                    schedule::chat::remind(&self.store, &self.config, now, row, args).await?;
+                self.settle(
+                    row,
+                    Disposition::Command,
+                    command.name(),
+                    Some(&reply(text)),
+                    now,
+                )
+                .await?;
+                self.scheduler_wake.notify_one();
+            }
+            Command::Schedules => {
+                let text = schedule::chat::list(&self.store, row).await?;
+                self.settle(
+                    row,
+                    Disposition::Command,
+                    command.name(),
+                    Some(&reply(text)),
+                    now,
+                )
+                .await?;
+            }
+            Command::Cancel => {
+                let text = schedule::chat::cancel(&self.store, now, row, args).await?;
+                self.settle(
+                    row,
+                    Disposition::Command,
+                    command.name(),
+                    Some(&reply(text)),
+                    now,
+                )
+                .await?;
+            }
+            Command::Timezone => {
+                let text = schedule::chat::timezone(&self.store, now, row, args).await?;
+                self.settle(
+                    row,
+                    Disposition::Command,
+                    command.name(),
+                    Some(&reply(text)),
                     now,
                 )
                 .await?;

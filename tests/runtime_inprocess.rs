@@ -237,6 +237,7 @@ async fn a_message_waiting_on_an_unreachable_runtime_gets_one_notice_and_is_answ
         observer: Arc::new(Observer::new()),
         wake: Arc::new(Notify::new()),
         outbox_wake: Arc::new(Notify::new()),
+        scheduler_wake: Arc::new(Notify::new()),
     };
     let stop = CancellationToken::new();
     let task = tokio::spawn(submitter.run(stop.clone()));

@@ -657,6 +657,206 @@ mod suite {
         assert_ne!(out[1].2, out[2].2, "the next update starts a new one");
     }
 
+    fn new_schedule(kind: ScheduleKind, due: i64) -> NewSchedule {
+        NewSchedule {
+            kind,
+            spec: "spec".into(),
+            cron: (kind == ScheduleKind::Every).then(|| "* * * * *".into()),
+            timezone: Some("UTC".into()),
+            action: ScheduleAction::Message,
+            text: "hi".into(),
+            target: Target {
+                account: "webhook:a".into(),
+                chat_id: "c".into(),
+                thread_id: None,
+                chat_kind: ChatKind::Private,
+                surface: SurfaceKind::Webhook,
+            },
+            first_due_at: due,
+            missed: MissedPolicy::FireOnce,
+            max_attempts: 2,
+            created_by: "test".into(),
+            created_at: 0,
+        }
+    }
+
+    fn plan(id: i64, from_due: i64, slots: &[i64], next: Option<i64>) -> Materialize {
+        Materialize {
+            schedule_id: id,
+            from_due,
+            slots: slots
+                .iter()
+                .map(|s| Slot {
+                    slot_at: *s,
+                    state: OccurrenceState::Pending,
+                    reason: None,
+                })
+                .collect(),
+            next_due_at: next,
+            skipped_uncounted: 0,
+            complete: false,
+            now: from_due,
+        }
+    }
+
+    pub async fn schedules_advance_once_per_slot(store: SharedStore) {
+        let id = store
+            .schedule_create(&new_schedule(ScheduleKind::Every, 60_000))
+            .await
+            .unwrap();
+        assert!(store.schedules_due(59_999, 10).await.unwrap().is_empty());
+        assert_eq!(store.schedules_due(60_000, 10).await.unwrap()[0].id, id);
+        // Two workers planned from the same due slot: only one advances.
+        let first = store
+            .schedules_materialize(&[plan(id, 60_000, &[60_000], Some(120_000))])
+            .await
+            .unwrap();
+        let second = store
+            .schedules_materialize(&[plan(id, 60_000, &[60_000], Some(120_000))])
+            .await
+            .unwrap();
+        assert_eq!((first, second), (vec![true], vec![false]));
+        let o = store.occurrences_list(id, 10).await.unwrap();
+        assert_eq!(o.len(), 1, "one occurrence per (schedule, slot)");
+        assert_eq!(o[0].key, format!("sched-{id}-60000"));
+        // A slot recorded again by a later plan is not duplicated either.
+        store
+            .schedules_materialize(&[plan(id, 120_000, &[60_000, 120_000], Some(180_000))])
+            .await
+            .unwrap();
+        assert_eq!(store.occurrences_list(id, 10).await.unwrap().len(), 2);
+        // A paused schedule is not due and cannot be advanced.
+        store
+            .schedule_transition(id, &[ScheduleState::Active], ScheduleState::Paused, 1)
+            .await
+            .unwrap();
+        assert!(store.schedules_due(i64::MAX, 10).await.unwrap().is_empty());
+        assert_eq!(
+            store
+                .schedules_materialize(&[plan(id, 180_000, &[180_000], Some(240_000))])
+                .await
+                .unwrap(),
+            [false]
+        );
+    }
+
+    pub async fn occurrences_are_claimed_once_and_settled_fenced(store: SharedStore) {
+        let id = store
+            .schedule_create(&new_schedule(ScheduleKind::At, 1_000))
+            .await
+            .unwrap();
+        store
+            .schedules_materialize(&[plan(id, 1_000, &[1_000], None)])
+            .await
+            .unwrap();
+        let first = store
+            .occurrences_claim("w1", 1_000, 61_000, 10)
+            .await
+            .unwrap();
+        assert_eq!(first.len(), 1);
+        assert!(
+            store
+                .occurrences_claim("w2", 1_000, 61_000, 10)
+                .await
+                .unwrap()
+                .is_empty(),
+            "claimed once"
+        );
+        let (o, sched) = &first[0];
+        assert_eq!(
+            (sched.id, o.state, o.fencing_token),
+            (id, OccurrenceState::Claimed, 1)
+        );
+        // The claim's worker dies: its lease runs out and the occurrence is
+        // claimable again under a new token; the stale worker's word is void.
+        assert_eq!(store.occurrences_release_expired(60_999).await.unwrap(), 0);
+        assert_eq!(store.occurrences_release_expired(61_000).await.unwrap(), 1);
+        let again = store
+            .occurrences_claim("w2", 61_000, 121_000, 10)
+            .await
+            .unwrap();
+        assert_eq!(again[0].0.fencing_token, 3);
+        let fired = Fire::Fired {
+            run_id: Some("r".into()),
+            item: Some(Box::new(item(&o.key, 1))),
+        };
+        assert!(
+            !store
+                .occurrence_settle(o.id, 1, &fired, 62_000)
+                .await
+                .unwrap(),
+            "stale token"
+        );
+        assert!(
+            store
+                .occurrence_settle(o.id, 3, &fired, 62_000)
+                .await
+                .unwrap()
+        );
+        let done = &store.occurrences_list(id, 1).await.unwrap()[0];
+        assert_eq!(
+            (done.state, done.run_id.as_deref(), done.attempts),
+            (OccurrenceState::Fired, Some("r"), 1)
+        );
+        // The message went out in the same transaction, under the key.
+        assert!(store.outbox_get_by_key(&o.key).await.unwrap().is_some());
+        assert_eq!(
+            store.schedule_get(id).await.unwrap().unwrap().state,
+            ScheduleState::Completed,
+            "a one-off is done"
+        );
+    }
+
+    pub async fn chats_and_accounts_are_remembered(store: SharedStore) {
+        assert_eq!(store.chat_timezone("webhook:a", "c").await.unwrap(), None);
+        store
+            .set_chat_timezone("webhook:a", "c", "Europe/Berlin", 1)
+            .await
+            .unwrap();
+        store
+            .set_chat_timezone("webhook:a", "c", "Asia/Tokyo", 2)
+            .await
+            .unwrap();
+        assert_eq!(
+            store
+                .chat_timezone("webhook:a", "c")
+                .await
+                .unwrap()
+                .as_deref(),
+            Some("Asia/Tokyo")
+        );
+        store
+            .channel_account_register("main", "webhook:main", "webhook", 1)
+            .await
+            .unwrap();
+        assert_eq!(
+            store.channel_account("main").await.unwrap(),
+            Some(("webhook:main".into(), "webhook".into()))
+        );
+        assert_eq!(store.channel_account("other").await.unwrap(), None);
+        let target = Target {
+            account: "webhook:a".into(),
+            chat_id: "c".into(),
+            thread_id: None,
+            chat_kind: ChatKind::Private,
+            surface: SurfaceKind::Webhook,
+        };
+        let conversation = store.conversation_current(&target, 1).await.unwrap();
+        assert_eq!(
+            store.conversation_current(&target, 2).await.unwrap(),
+            conversation
+        );
+        let journaled = store
+            .journal_insert(&[inbound("webhook:a", "9", "c", None)])
+            .await
+            .unwrap();
+        assert_eq!(
+            ids(journaled[0]).2,
+            conversation,
+            "a schedule's conversation is the chat's"
+        );
+    }
+
     pub fn item(key: &str, conversation_id: i64) -> NewOutboxItem {
         NewOutboxItem {
             item_key: key.into(),
@@ -1203,6 +1403,9 @@ conformance!(sqlite, open_sqlite;
     outbox_previews_never_follow_their_answer,
     outbox_operators_resolve_held_items_only,
     outbox_stats_count_what_waits,
+    schedules_advance_once_per_slot,
+    occurrences_are_claimed_once_and_settled_fenced,
+    chats_and_accounts_are_remembered,
 );
 
 #[tokio::test]

@@ -183,9 +183,97 @@ pub trait OutboxStore: Send + Sync {
     async fn outbox_counts(&self) -> StoreResult<Vec<(DispatchState, i64)>>;
 }
 
+/// Durable schedules, their occurrences, and chat settings.
+#[async_trait]
+pub trait ScheduleStore: Send + Sync {
+    async fn schedule_create(&self, schedule: &NewSchedule) -> StoreResult<i64>;
+
+    async fn schedule_get(&self, id: i64) -> StoreResult<Option<ScheduleRow>>;
+
+    /// Newest first.
+    async fn schedule_list(&self, filter: &ScheduleFilter) -> StoreResult<Vec<ScheduleRow>>;
+
+    /// Move a schedule from one of `from` to `to` (pause, resume, cancel).
+    /// `false` when it was in none of them.
+    async fn schedule_transition(
+        &self,
+        id: i64,
+        from: &[ScheduleState],
+        to: ScheduleState,
+        now: i64,
+    ) -> StoreResult<bool>;
+
+    /// Active schedules whose next slot is due by `now`, oldest due first.
+    async fn schedules_due(&self, now: i64, limit: usize) -> StoreResult<Vec<ScheduleRow>>;
+
+    /// Record slots and advance each schedule, in one transaction; a plan
+    /// whose schedule was advanced (or paused) meanwhile changes nothing and
+    /// reports `false`. A slot recorded before is not recorded twice.
+    async fn schedules_materialize(&self, plans: &[Materialize]) -> StoreResult<Vec<bool>>;
+
+    /// Claim due pending occurrences with a lease and a new fencing token.
+    async fn occurrences_claim(
+        &self,
+        owner: &str,
+        now: i64,
+        lease_until: i64,
+        limit: usize,
+    ) -> StoreResult<Vec<(OccurrenceRow, ScheduleRow)>>;
+
+    /// Record how firing went, fenced; a one-off schedule ends with its
+    /// occurrence (completed or failed). A fired message's outbox item is
+    /// written in the same transaction.
+    async fn occurrence_settle(
+        &self,
+        id: i64,
+        token: i64,
+        fire: &Fire,
+        now: i64,
+    ) -> StoreResult<bool>;
+
+    /// Claimed occurrences whose lease ran out go back to pending under a
+    /// new token (their worker died). Returns how many.
+    async fn occurrences_release_expired(&self, now: i64) -> StoreResult<u64>;
+
+    /// End every occurrence lease now (start of a single-process store).
+    async fn occurrences_expire_all_leases(&self, now: i64) -> StoreResult<u64>;
+
+    /// A schedule's occurrences, newest slot first.
+    async fn occurrences_list(
+        &self,
+        schedule_id: i64,
+        limit: usize,
+    ) -> StoreResult<Vec<OccurrenceRow>>;
+
+    async fn chat_timezone(&self, account: &str, chat_id: &str) -> StoreResult<Option<String>>;
+
+    async fn set_chat_timezone(
+        &self,
+        account: &str,
+        chat_id: &str,
+        zone: &str,
+        now: i64,
+    ) -> StoreResult<()>;
+
+    /// The current conversation of a chat, created when there is none.
+    async fn conversation_current(&self, target: &Target, now: i64) -> StoreResult<i64>;
+
+    /// Record a channel account's store identity under its configured name.
+    async fn channel_account_register(
+        &self,
+        name: &str,
+        identity: &str,
+        platform: &str,
+        now: i64,
+    ) -> StoreResult<()>;
+
+    /// A registered account's store identity and platform, by name.
+    async fn channel_account(&self, name: &str) -> StoreResult<Option<(String, String)>>;
+}
+
 /// Everything durable.
 #[async_trait]
-pub trait Store: JournalStore + RunStore + OutboxStore {
+pub trait Store: JournalStore + RunStore + OutboxStore + ScheduleStore {
     /// A short description for logs (`sqlite:data/switchboard.db`).
     fn describe(&self) -> String;
 

@@ -492,3 +492,183 @@ pub struct OutboxFilter {
     pub conversation_id: Option<i64>,
     pub limit: usize,
 }
+
+string_enum! {
+    /// When a schedule fires.
+    ScheduleKind {
+        /// Once, at an instant.
+        At => "at",
+        /// Once, a duration after it was created.
+        After => "after",
+        /// At each slot of a cron expression in a time zone.
+        Every => "every",
+    }
+}
+
+string_enum! {
+    /// What a schedule does when it fires.
+    ScheduleAction {
+        /// Deliver fixed text to the conversation through the outbox.
+        Message => "message",
+        /// Submit text to the runtime as an input of the conversation.
+        Prompt => "prompt",
+    }
+}
+
+string_enum! {
+    ScheduleState {
+        Active => "active",
+        Paused => "paused",
+        Completed => "completed",
+        Failed => "failed",
+        Cancelled => "cancelled",
+    }
+}
+
+string_enum! {
+    /// What happens to slots that passed while nothing could fire them.
+    MissedPolicy {
+        /// Fire none of them.
+        Skip => "skip",
+        /// Fire one catch-up occurrence for the latest.
+        FireOnce => "fire-once",
+        /// Fire them all, up to `scheduler.max_catch_up`.
+        FireAll => "fire-all",
+    }
+}
+
+string_enum! {
+    OccurrenceState {
+        Pending => "pending",
+        Claimed => "claimed",
+        Fired => "fired",
+        Failed => "failed",
+        Skipped => "skipped",
+    }
+}
+
+/// Where a schedule's output goes: a chat of a channel account.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Target {
+    /// The channel account's store identity.
+    pub account: String,
+    pub chat_id: String,
+    pub thread_id: Option<String>,
+    pub chat_kind: ChatKind,
+    /// The target conversation's surface (replies are delivered its way).
+    pub surface: SurfaceKind,
+}
+
+/// A schedule to create.
+#[derive(Debug, Clone)]
+pub struct NewSchedule {
+    pub kind: ScheduleKind,
+    /// The spec as given (for people).
+    pub spec: String,
+    pub cron: Option<String>,
+    pub timezone: Option<String>,
+    pub action: ScheduleAction,
+    pub text: String,
+    pub target: Target,
+    pub first_due_at: i64,
+    pub missed: MissedPolicy,
+    pub max_attempts: i64,
+    /// Who created it (`chat:<inbound id>`, `cli`, `api`).
+    pub created_by: String,
+    pub created_at: i64,
+}
+
+/// A schedule.
+#[derive(Debug, Clone, Serialize)]
+pub struct ScheduleRow {
+    pub id: i64,
+    pub kind: ScheduleKind,
+    pub spec: String,
+    pub cron: Option<String>,
+    pub timezone: Option<String>,
+    pub action: ScheduleAction,
+    pub text: String,
+    pub target: Target,
+    pub state: ScheduleState,
+    pub next_due_at: Option<i64>,
+    pub missed: MissedPolicy,
+    pub max_attempts: i64,
+    pub fired: i64,
+    pub failed: i64,
+    pub skipped: i64,
+    pub created_by: String,
+    pub created_at: i64,
+    pub updated_at: i64,
+}
+
+/// One occurrence.
+#[derive(Debug, Clone, Serialize)]
+pub struct OccurrenceRow {
+    pub id: i64,
+    pub schedule_id: i64,
+    pub slot_at: i64,
+    pub key: String,
+    pub state: OccurrenceState,
+    pub attempts: i64,
+    pub next_attempt_at: i64,
+    pub lease_owner: Option<String>,
+    pub lease_expires_at: Option<i64>,
+    pub fencing_token: i64,
+    pub reason: Option<String>,
+    pub run_id: Option<String>,
+    pub fired_at: Option<i64>,
+    pub created_at: i64,
+}
+
+/// One slot a materialization records.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Slot {
+    pub slot_at: i64,
+    /// `Pending` (to fire) or `Skipped` (missed, by policy).
+    pub state: OccurrenceState,
+    pub reason: Option<String>,
+}
+
+/// Advancing one due schedule: the slots it records and its next due slot,
+/// in one transaction, only if nobody advanced it first.
+#[derive(Debug, Clone)]
+pub struct Materialize {
+    pub schedule_id: i64,
+    /// The `next_due_at` this plan was made from (the fence).
+    pub from_due: i64,
+    pub slots: Vec<Slot>,
+    /// `None`: no more slots (a one-off).
+    pub next_due_at: Option<i64>,
+    /// Missed slots counted but not recorded one by one.
+    pub skipped_uncounted: i64,
+    /// A one-off whose only slot was skipped ends here.
+    pub complete: bool,
+    pub now: i64,
+}
+
+/// How firing an occurrence went.
+#[derive(Debug, Clone)]
+pub enum Fire {
+    /// Fired: the run it submitted, or the outbox item it delivers (written
+    /// in the same transaction).
+    Fired {
+        run_id: Option<String>,
+        item: Option<Box<NewOutboxItem>>,
+    },
+    /// Try again later (counts an attempt).
+    Retry {
+        next_attempt_at: i64,
+        reason: String,
+    },
+    /// Out of attempts or refused for good.
+    Failed { reason: String },
+}
+
+/// Which schedules to list.
+#[derive(Debug, Clone, Default)]
+pub struct ScheduleFilter {
+    pub account: Option<String>,
+    pub chat_id: Option<String>,
+    pub state: Option<ScheduleState>,
+    pub limit: usize,
+}

@@ -13,6 +13,9 @@
 mod journal;
 mod outbox;
 mod runs;
+mod schedules;
+
+pub use schedules::occurrence_key;
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -213,6 +216,14 @@ mod plan_tests {
         ("outbox: resend", outbox::RESEND),
         ("outbox: hold", outbox::HOLD),
         ("outbox: expired", outbox::EXPIRED),
+        ("schedules: due", schedules::DUE),
+        ("schedules: advance", schedules::ADVANCE),
+        ("occurrences: insert", schedules::INSERT_OCCURRENCE),
+        ("occurrences: claim", schedules::CLAIM),
+        ("occurrences: fired", schedules::FIRED),
+        ("occurrences: retry", schedules::RETRY),
+        ("occurrences: failed", schedules::FAILED),
+        ("occurrences: release expired", schedules::RELEASE_EXPIRED),
     ];
 
     #[tokio::test]
