@@ -486,6 +486,13 @@ pub struct Messages {
     /// The answer to `/help`.
     #[serde(default = "default_msg_help")]
     pub help: String,
+    /// To an unknown user under the `pairing` policy; `{code}` and
+    /// `{minutes}` are filled in.
+    #[serde(default = "default_msg_pairing")]
+    pub pairing: String,
+    /// To a user not on the `allowlist`.
+    #[serde(default = "default_msg_not_allowed")]
+    pub not_allowed: String,
 }
 
 impl Default for Messages {
@@ -500,6 +507,8 @@ impl Default for Messages {
             stopped: default_msg_stopped(),
             new_conversation: default_msg_new_conversation(),
             help: default_msg_help(),
+            pairing: default_msg_pairing(),
+            not_allowed: default_msg_not_allowed(),
         }
     }
 }
@@ -528,6 +537,12 @@ fn default_msg_stopped() -> String {
 fn default_msg_new_conversation() -> String {
     "Started a new conversation.".into()
 }
+fn default_msg_pairing() -> String {
+    "Hi! I don't know you yet. Ask my operator to approve you with: switchboard pair approve {code} (the code is valid for {minutes} minutes).".into()
+}
+fn default_msg_not_allowed() -> String {
+    "Sorry, I only talk to people on my list.".into()
+}
 fn default_msg_help() -> String {
     "Commands:\n/stop - stop the current answer and drop the messages waiting for one\n/new - start a new conversation\n/remind in 10m <text> | at 2026-12-24 18:00 <text> | every \"0 9 * * MON-FRI\" <text> - set a reminder\n/schedules - this chat's reminders\n/cancel <id> - cancel one\n/timezone Europe/Berlin - set this chat's time zone\n/help - this list".into()
 }
@@ -547,6 +562,12 @@ impl ChannelConfig {
         }
     }
 
+    pub fn access(&self) -> &AccessConfig {
+        match self {
+            ChannelConfig::Webhook(c) => &c.access,
+        }
+    }
+
     pub fn overrides(&self) -> Overrides<'_> {
         match self {
             ChannelConfig::Webhook(c) => Overrides {
@@ -555,6 +576,50 @@ impl ChannelConfig {
             },
         }
     }
+}
+
+/// Who may talk to a channel account (`[channels.NAME.access]`).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AccessConfig {
+    /// Private chats: `open` (anyone), `allowlist` (`allow_users` only) or
+    /// `pairing` (an unknown user gets a code an operator approves with
+    /// `switchboard pair approve CODE`). Default: `pairing` on Telegram and
+    /// Discord, `open` on the webhook channel.
+    #[serde(default)]
+    pub dm_policy: Option<DmPolicy>,
+    /// Users admitted in private chats under `allowlist` (platform user ids).
+    #[serde(default)]
+    pub allow_users: Vec<String>,
+    /// Users always admitted, whatever the policy.
+    #[serde(default)]
+    pub owners: Vec<String>,
+    /// Group chats the bot answers in (chat ids). Unset: none on Telegram
+    /// and Discord, all on the webhook channel.
+    #[serde(default)]
+    pub groups: Option<Vec<String>>,
+    /// In allowed groups: `mention` (answer only when mentioned or replied
+    /// to; the default on Telegram and Discord) or `all`.
+    #[serde(default)]
+    pub group_trigger: Option<GroupTrigger>,
+    /// Minutes a pairing code stays valid (default 60).
+    #[serde(default)]
+    pub pairing_ttl_minutes: Option<u64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DmPolicy {
+    Open,
+    Allowlist,
+    Pairing,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum GroupTrigger {
+    Mention,
+    All,
 }
 
 /// A channel account's surface overrides.
@@ -593,6 +658,9 @@ pub struct WebhookChannelConfig {
     /// Surface settings for single chats of this account, by chat id.
     #[serde(default)]
     pub chats: BTreeMap<String, SurfaceSettings>,
+    /// Who may talk to the bot.
+    #[serde(default)]
+    pub access: AccessConfig,
 }
 
 fn default_callback_timeout_secs() -> u64 {

@@ -24,6 +24,7 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use crate::access::Access;
 use crate::clock::{SharedClock, SystemClock};
 use crate::config::{ChannelConfig, Config, RuntimeConfig, parse_listen};
 use crate::ingress::{AccountInfo, Ingress};
@@ -269,6 +270,15 @@ impl Daemon {
             wake: submitter_wake,
             outbox_wake: dispatcher_wake.clone(),
             scheduler_wake: scheduler_wake.clone(),
+            access: accounts_registered
+                .iter()
+                .filter_map(|a| {
+                    config
+                        .channels
+                        .get(&a.name)
+                        .map(|c| (a.identity.clone(), Access::resolve(c.access(), a.platform)))
+                })
+                .collect(),
         };
 
         let workers_stop = CancellationToken::new();

@@ -117,6 +117,7 @@ impl Ingress {
             reason,
             input_policy: envelope.input_policy,
             closes_conversation,
+            addressed: envelope.addressed,
             received_at: self.clock.now_ms(),
         })
     }

@@ -24,6 +24,7 @@
 //!   ever claimable.
 //! - The core does not depend on any platform SDK: only `adapters/*` do.
 
+pub mod access;
 pub mod admin;
 pub mod backoff;
 pub mod cli;

@@ -66,6 +66,39 @@ enum Command {
         #[command(subcommand)]
         command: ScheduleCommand,
     },
+    /// Pairing of direct-message users (accounts with dm_policy = "pairing").
+    Pair {
+        #[command(subcommand)]
+        command: PairCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum PairCommand {
+    /// Pairings, newest first: pending codes and who was approved or revoked.
+    List {
+        #[command(flatten)]
+        config: ConfigArg,
+        /// Only this channel account's (its configured name).
+        #[arg(long)]
+        account: Option<String>,
+    },
+    /// Admit the user who was given this code.
+    Approve {
+        #[command(flatten)]
+        config: ConfigArg,
+        code: String,
+    },
+    /// Stop admitting a user.
+    Revoke {
+        #[command(flatten)]
+        config: ConfigArg,
+        /// The channel account's configured name.
+        #[arg(long)]
+        account: String,
+        /// The platform user id.
+        user: String,
+    },
 }
 
 // Parsed once per process; boxing clap's arguments would buy nothing.
@@ -377,6 +410,7 @@ async fn dispatch(command: Command) -> ExitCode {
             }
         }
         Command::Schedule { command } => schedule_command(command).await,
+        Command::Pair { command } => pair_command(command).await,
         Command::Runs {
             command:
                 RunsCommand::List {
@@ -401,6 +435,100 @@ async fn dispatch(command: Command) -> ExitCode {
                 Err(code) => return code,
             };
             print_or_fail(switchboard::cli::runs_list(&store, conversation, state, limit).await)
+        }
+    }
+}
+
+async fn pair_command(command: PairCommand) -> ExitCode {
+    let now = switchboard::clock::Clock::now_ms(&switchboard::clock::SystemClock);
+    let config_arg = match &command {
+        PairCommand::List { config, .. }
+        | PairCommand::Approve { config, .. }
+        | PairCommand::Revoke { config, .. } => config,
+    };
+    let store = match open_store(config_arg).await {
+        Ok(s) => s,
+        Err(code) => return code,
+    };
+    let identity = |name: String| {
+        let store = store.clone();
+        async move {
+            match store.channel_account(&name).await {
+                Ok(Some((identity, _))) => Ok(identity),
+                Ok(None) => {
+                    eprintln!(
+                        "switchboard: no channel account named {name:?} has run on this store"
+                    );
+                    Err(ExitCode::from(2))
+                }
+                Err(e) => Err(fail(e)),
+            }
+        }
+    };
+    match command {
+        PairCommand::List { account, .. } => {
+            let account = match account {
+                Some(name) => match identity(name).await {
+                    Ok(id) => Some(id),
+                    Err(code) => return code,
+                },
+                None => None,
+            };
+            match store.pairing_list(account.as_deref(), 200).await {
+                Ok(rows) => {
+                    let mut table = switchboard::cli::Table::new(vec![
+                        "ACCOUNT", "USER", "NAME", "CODE", "STATE", "EXPIRES",
+                    ]);
+                    for p in rows {
+                        table.row(vec![
+                            p.account,
+                            p.user_id,
+                            p.user_name.unwrap_or_else(|| "-".into()),
+                            p.code,
+                            p.state.to_string(),
+                            switchboard::schedule::spec::show(p.expires_at, None),
+                        ]);
+                    }
+                    print!("{}", table.render());
+                    ExitCode::SUCCESS
+                }
+                Err(e) => fail(e),
+            }
+        }
+        PairCommand::Approve { code, .. } => match store.pairing_approve(&code, now).await {
+            Ok(Some(p)) => {
+                println!(
+                    "approved {} ({}) on {}",
+                    p.user_id,
+                    p.user_name.as_deref().unwrap_or("no name"),
+                    p.account
+                );
+                ExitCode::SUCCESS
+            }
+            Ok(None) => {
+                eprintln!(
+                    "switchboard: no pending pairing with code {code:?}; it may have expired (the user gets a new one with their next message). See `switchboard pair list`."
+                );
+                ExitCode::from(1)
+            }
+            Err(e) => fail(e),
+        },
+        PairCommand::Revoke { account, user, .. } => {
+            let account = match identity(account).await {
+                Ok(id) => id,
+                Err(code) => return code,
+            };
+            match store.pairing_revoke(&account, &user, now).await {
+                Ok(true) => {
+                    println!("revoked {user} on {account}");
+                    ExitCode::SUCCESS
+                }
+                Ok(false) => {
+                    eprintln!("switchboard: {user} has no pairing on {account}");
+                    ExitCode::from(1)
+                }
+                Err(e) => fail(e),
+            }
         }
     }
 }

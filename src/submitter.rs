@@ -20,6 +20,7 @@ use switchboard_channel::{AttachmentRef, Content};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
+use crate::access::{Access, Decision};
 use crate::clock::SharedClock;
 use crate::commands::{self, Command};
 use crate::config::Config;
@@ -48,6 +49,8 @@ pub struct Submitter {
     pub outbox_wake: Arc<Notify>,
     /// Wakes the scheduler when a schedule was created.
     pub scheduler_wake: Arc<Notify>,
+    /// Each channel account's access rules, by store identity.
+    pub access: HashMap<String, Access>,
 }
 
 /// What one round achieved.
@@ -145,6 +148,29 @@ impl Submitter {
                 continue;
             };
             let runtime_name = runtime_name.clone();
+            // Who may talk to the bot is decided once, here, for every
+            // channel; refusals are journaled with their reason.
+            if let Some(access) = self.access.get(&row.account) {
+                match access
+                    .check(&self.store, &self.config.messages, &row, now)
+                    .await?
+                {
+                    Decision::Allow => {}
+                    Decision::Ignore(reason) => {
+                        self.settle(&row, Disposition::Ignored, &reason, None, now)
+                            .await?;
+                        round.settled += 1;
+                        continue;
+                    }
+                    Decision::Refuse { reason, reply } => {
+                        let notice = reply.map(|text| self.notice(&row, "access", &text, now));
+                        self.settle(&row, Disposition::Refused, &reason, notice.as_ref(), now)
+                            .await?;
+                        round.settled += 1;
+                        continue;
+                    }
+                }
+            }
             match self.step(&row) {
                 Step::Submit(submission) => {
                     if batch_runtime.as_deref().is_some_and(|r| r != runtime_name) {

@@ -210,6 +210,7 @@ async fn a_message_waiting_on_an_unreachable_runtime_gets_one_notice_and_is_answ
             submission_key: "in-1".into(),
             input_policy: None,
             closes_conversation: false,
+            addressed: true,
             received_at: 0,
         }])
         .await
@@ -238,6 +239,7 @@ async fn a_message_waiting_on_an_unreachable_runtime_gets_one_notice_and_is_answ
         wake: Arc::new(Notify::new()),
         outbox_wake: Arc::new(Notify::new()),
         scheduler_wake: Arc::new(Notify::new()),
+        access: Default::default(),
     };
     let stop = CancellationToken::new();
     let task = tokio::spawn(submitter.run(stop.clone()));

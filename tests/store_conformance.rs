@@ -30,6 +30,7 @@ mod suite {
             submission_key: switchboard::keys::submission_key(account, key),
             input_policy: None,
             closes_conversation: false,
+            addressed: true,
             received_at: 1_000,
         }
     }

@@ -271,9 +271,43 @@ pub trait ScheduleStore: Send + Sync {
     async fn channel_account(&self, name: &str) -> StoreResult<Option<(String, String)>>;
 }
 
+/// Pairing of unknown direct-message users with operators.
+#[async_trait]
+pub trait AccessStore: Send + Sync {
+    async fn pairing_get(&self, account: &str, user_id: &str) -> StoreResult<Option<PairingRow>>;
+
+    /// A code for an unknown user: the pending one while it has not expired,
+    /// else a new one (`code` is used only then).
+    async fn pairing_issue(
+        &self,
+        account: &str,
+        user_id: &str,
+        user_name: Option<&str>,
+        code: &str,
+        now: i64,
+        expires_at: i64,
+    ) -> StoreResult<PairingRow>;
+
+    /// Approve a pending, unexpired code. `None` when there is none.
+    async fn pairing_approve(&self, code: &str, now: i64) -> StoreResult<Option<PairingRow>>;
+
+    /// Approve a user directly (an operator who knows the id).
+    async fn pairing_admit(&self, account: &str, user_id: &str, now: i64) -> StoreResult<()>;
+
+    /// Revoke a user's pairing. `false` when there was none.
+    async fn pairing_revoke(&self, account: &str, user_id: &str, now: i64) -> StoreResult<bool>;
+
+    /// Newest first, optionally one account's.
+    async fn pairing_list(
+        &self,
+        account: Option<&str>,
+        limit: usize,
+    ) -> StoreResult<Vec<PairingRow>>;
+}
+
 /// Everything durable.
 #[async_trait]
-pub trait Store: JournalStore + RunStore + OutboxStore + ScheduleStore {
+pub trait Store: JournalStore + RunStore + OutboxStore + ScheduleStore + AccessStore {
     /// A short description for logs (`sqlite:data/switchboard.db`).
     fn describe(&self) -> String;
 

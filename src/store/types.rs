@@ -157,6 +157,8 @@ pub struct NewInbound {
     /// `/new`: the conversation is closed in the same transaction, so the
     /// next update of the chat starts a new one.
     pub closes_conversation: bool,
+    /// The bot was addressed (always, in a private chat).
+    pub addressed: bool,
     pub received_at: i64,
 }
 
@@ -193,6 +195,7 @@ pub struct InboundRow {
     pub reason: Option<String>,
     pub submission_key: String,
     pub input_policy: Option<InputPolicy>,
+    pub addressed: bool,
     pub run_id: Option<String>,
     pub received_at: i64,
     pub settled_at: Option<i64>,
@@ -671,4 +674,25 @@ pub struct ScheduleFilter {
     pub chat_id: Option<String>,
     pub state: Option<ScheduleState>,
     pub limit: usize,
+}
+
+string_enum! {
+    PairingState {
+        Pending => "pending",
+        Approved => "approved",
+        Revoked => "revoked",
+    }
+}
+
+/// A direct-message user's pairing with an operator.
+#[derive(Debug, Clone, Serialize)]
+pub struct PairingRow {
+    pub account: String,
+    pub user_id: String,
+    pub user_name: Option<String>,
+    pub code: String,
+    pub state: PairingState,
+    pub created_at: i64,
+    pub expires_at: i64,
+    pub decided_at: Option<i64>,
 }

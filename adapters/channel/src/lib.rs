@@ -184,6 +184,10 @@ pub struct Envelope {
     pub content: Content,
     /// The input policy the caller asked for, overriding the surface's.
     pub input_policy: Option<InputPolicy>,
+    /// In a group chat: the bot was mentioned, replied to, or given a
+    /// command. Always true in private chats. Whether an unaddressed group
+    /// message is answered is the core's access decision.
+    pub addressed: bool,
 }
 
 /// The outcome of handing an envelope to the core, known only after commit.

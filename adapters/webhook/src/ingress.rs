@@ -103,6 +103,14 @@ struct WireUpdate {
     /// Overrides the surface's input policy for this input.
     #[serde(default)]
     input_policy: Option<InputPolicy>,
+    /// In a group chat: whether the bot was addressed (mentioned, replied
+    /// to). Defaults to true.
+    #[serde(default = "default_true")]
+    mentions_bot: bool,
+}
+
+fn default_true() -> bool {
+    true
 }
 
 /// A refusal with a stable code and a sentence that names the problem and
@@ -312,6 +320,7 @@ fn parse_update(account: &str, body: &[u8]) -> Result<Envelope, Problem> {
         message_id: update.message_id.map(Id::into_string),
         content,
         input_policy: update.input_policy,
+        addressed: chat_kind == ChatKind::Private || update.mentions_bot,
     })
 }
 

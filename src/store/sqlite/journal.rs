@@ -17,7 +17,7 @@ macro_rules! inbound_select {
     () => {
         "SELECT i.id, i.account, i.update_key, i.conversation_id, c.chat_id, c.chat_kind,
                 c.thread_id, c.surface, i.sender_id, i.sender_name, i.message_id, i.payload,
-                i.input_policy, i.disposition, i.reason, i.submission_key, i.run_id,
+                i.input_policy, i.addressed, i.disposition, i.reason, i.submission_key, i.run_id,
                 i.received_at, i.settled_at
          FROM inbound i JOIN conversations c ON c.id = i.conversation_id "
     };
@@ -60,6 +60,7 @@ fn inbound_from_row(row: &SqliteRow) -> StoreResult<InboundRow> {
         input_policy: policy
             .map(|p| InputPolicy::parse(&p).ok_or_else(|| bad_value("input_policy", &p)))
             .transpose()?,
+        addressed: row.try_get("addressed")?,
         run_id: row.try_get("run_id")?,
         received_at: row.try_get("received_at")?,
         settled_at: row.try_get("settled_at")?,
@@ -111,9 +112,9 @@ impl JournalStore for SqliteStore {
             let settled_at = (item.disposition != Disposition::Pending).then_some(item.received_at);
             let inbound_id: i64 = sqlx::query_scalar(
                 "INSERT INTO inbound (account, update_key, conversation_id, sender_id, sender_name,
-                    message_id, payload, input_policy, disposition, reason, submission_key,
-                    received_at, settled_at)
-                 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+                    message_id, payload, input_policy, addressed, disposition, reason,
+                    submission_key, received_at, settled_at)
+                 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
             )
             .bind(&item.account)
             .bind(&item.update_key)
@@ -123,6 +124,7 @@ impl JournalStore for SqliteStore {
             .bind(&item.message_id)
             .bind(&item.payload)
             .bind(item.input_policy.map(|p| p.as_str()))
+            .bind(item.addressed)
             .bind(item.disposition.as_str())
             .bind(&item.reason)
             .bind(&item.submission_key)

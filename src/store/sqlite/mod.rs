@@ -10,6 +10,7 @@
 //! SQLite is a single-process deployment, which is what lets start-up treat
 //! every outbox lease it finds as orphaned.
 
+mod access;
 mod journal;
 mod outbox;
 mod runs;
