@@ -73,7 +73,7 @@ impl Access {
         let sender = row.sender_id.as_deref().unwrap_or_default();
         if row.chat_kind == ChatKind::Group {
             if let Some(groups) = &self.groups
-                && !groups.iter().any(|g| *g == row.chat_id)
+                && !groups.contains(&row.chat_id)
             {
                 return Ok(Decision::Ignore(format!(
                     "group chat {} is not on this account's access.groups list",
