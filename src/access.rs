@@ -74,6 +74,7 @@ impl Access {
         if row.chat_kind == ChatKind::Group {
             if let Some(groups) = &self.groups
                 && !groups.contains(&row.chat_id)
+                && !self.allowed_before_migration(store, row, groups).await?
             {
                 return Ok(Decision::Ignore(format!(
                     "group chat {} is not on this account's access.groups list",
@@ -130,6 +131,20 @@ impl Access {
 }
 
 /// A short code that is easy to read out: no 0/O, 1/I/L.
+impl Access {
+    /// A group allowed under an old id stays allowed after it migrated
+    /// (a Telegram group upgraded to a supergroup gets a new id).
+    async fn allowed_before_migration(
+        &self,
+        store: &SharedStore,
+        row: &InboundRow,
+        groups: &[String],
+    ) -> StoreResult<bool> {
+        let origins = store.chat_origins(&row.account, &row.chat_id).await?;
+        Ok(origins.iter().any(|old| groups.contains(old)))
+    }
+}
+
 fn new_code() -> String {
     const ALPHABET: &[u8] = b"ABCDEFGHJKMNPQRSTUVWXYZ23456789";
     let mut rng = rand::rng();

@@ -5,6 +5,8 @@
 //! | method and path | what it does |
 //! |---|---|
 //! | `GET /healthz` | `ok` while the process runs |
+//! | `GET /readyz` | 200 when every channel account receives updates, else 503; JSON per account |
+//! | `GET /v1/attachments/{account}?reference=R` | an attachment's bytes, fetched from the platform (size-capped) |
 //! | `GET /metrics` | counters, and outbox gauges read through indexes |
 //! | `GET /v1/inbound?disposition=D&limit=N` | journal rows, newest first |
 //! | `GET /v1/outbox?state=S&conversation=C&limit=N` | outbox items, newest first |
@@ -41,12 +43,16 @@ pub struct AdminState {
     pub config: Arc<crate::config::Config>,
     /// Woken when a schedule is added.
     pub scheduler_wake: Arc<tokio::sync::Notify>,
+    /// Channel adapters by configured account name (attachment downloads).
+    pub adapters: std::collections::HashMap<String, Arc<dyn switchboard_channel::ChannelAdapter>>,
 }
 
 pub fn router(state: AdminState) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
+        .route("/v1/attachments/{account}", get(attachment))
         .route("/v1/inbound", get(inbound))
         .route("/v1/outbox", get(outbox))
         .route("/v1/outbox/{id}/resolve", post(resolve))
@@ -54,6 +60,49 @@ pub fn router(state: AdminState) -> Router {
         .route("/v1/schedules/{id}", get(schedule_show))
         .route("/v1/schedules/{id}/{verb}", post(schedule_transition))
         .with_state(state)
+}
+
+#[derive(Deserialize)]
+struct AttachmentQuery {
+    reference: String,
+}
+
+/// Attachments reach runtimes as references; this resolves one on demand,
+/// refusing files over `admin.max_attachment_bytes`. Nothing is stored.
+async fn attachment(
+    State(state): State<AdminState>,
+    Path(account): Path<String>,
+    Query(q): Query<AttachmentQuery>,
+) -> Response {
+    use switchboard_channel::FetchError;
+    let Some(adapter) = state.adapters.get(&account) else {
+        return problem(
+            StatusCode::NOT_FOUND,
+            format!("no channel account {account:?}"),
+        );
+    };
+    let limit = state.config.admin.max_attachment_bytes;
+    match adapter.fetch_attachment(&q.reference, limit).await {
+        Ok(bytes) => ([(header::CONTENT_TYPE, "application/octet-stream")], bytes).into_response(),
+        Err(e @ FetchError::TooLarge { .. }) => problem(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("{e}; raise admin.max_attachment_bytes to allow it"),
+        ),
+        Err(e @ FetchError::NotFound(_)) => problem(StatusCode::NOT_FOUND, e.to_string()),
+        Err(e @ FetchError::Unsupported) => problem(StatusCode::NOT_IMPLEMENTED, e.to_string()),
+        Err(e @ FetchError::Failed(_)) => problem(StatusCode::BAD_GATEWAY, e.to_string()),
+    }
+}
+
+async fn readyz(State(state): State<AdminState>) -> Response {
+    let channels = state.observer.channel_states();
+    let ready = channels.values().all(|c| c.state == "up");
+    let status = if ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (status, Json(json!({"ready": ready, "channels": channels}))).into_response()
 }
 
 fn problem(status: StatusCode, message: impl Into<String>) -> Response {

@@ -84,6 +84,7 @@ fn inbound_text(row: &InboundRow) -> String {
         None => "(pruned)".to_owned(),
         Some(Ok(Content::Message { text, .. })) => text,
         Some(Ok(Content::Unsupported { kind, .. })) => format!("({kind})"),
+        Some(Ok(Content::ChatMigrated { to_chat_id })) => format!("(migrated to {to_chat_id})"),
         Some(Err(_)) => "(unreadable)".to_owned(),
     }
 }

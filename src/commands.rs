@@ -40,6 +40,24 @@ impl Command {
     }
 }
 
+/// The commands as a platform's command menu shows them (Telegram
+/// `setMyCommands`): name without the slash, and a short description.
+pub const MENU: [(&str, &str); 7] = [
+    ("help", "What this bot can do"),
+    (
+        "stop",
+        "Stop the answer being written and drop waiting messages",
+    ),
+    ("new", "Start a new conversation"),
+    ("remind", "Set a reminder: /remind in 10m tea"),
+    ("schedules", "List this chat's reminders and schedules"),
+    ("cancel", "Cancel a schedule: /cancel ID"),
+    (
+        "timezone",
+        "Show or set this chat's time zone: /timezone Europe/Berlin",
+    ),
+];
+
 /// The command a message's text is, if any, with its arguments.
 pub fn parse(text: &str) -> Option<(Command, &str)> {
     let text = text.trim_start();

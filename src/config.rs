@@ -215,14 +215,23 @@ pub struct AdminConfig {
     /// `"host:port"` of the admin listener; keep it on loopback.
     #[serde(default = "default_admin_listen")]
     pub listen: String,
+    /// Largest attachment `GET /v1/attachments/NAME?reference=R` downloads
+    /// from a platform, in bytes.
+    #[serde(default = "default_max_attachment_bytes")]
+    pub max_attachment_bytes: u64,
 }
 
 impl Default for AdminConfig {
     fn default() -> Self {
         AdminConfig {
             listen: default_admin_listen(),
+            max_attachment_bytes: default_max_attachment_bytes(),
         }
     }
+}
+
+fn default_max_attachment_bytes() -> u64 {
+    20 * 1024 * 1024
 }
 
 fn default_admin_listen() -> String {
@@ -553,18 +562,22 @@ fn default_msg_help() -> String {
 pub enum ChannelConfig {
     /// The generic HTTP channel.
     Webhook(WebhookChannelConfig),
+    /// A Telegram bot.
+    Telegram(TelegramChannelConfig),
 }
 
 impl ChannelConfig {
     pub fn runtime(&self) -> &str {
         match self {
             ChannelConfig::Webhook(c) => &c.runtime,
+            ChannelConfig::Telegram(c) => &c.runtime,
         }
     }
 
     pub fn access(&self) -> &AccessConfig {
         match self {
             ChannelConfig::Webhook(c) => &c.access,
+            ChannelConfig::Telegram(c) => &c.access,
         }
     }
 
@@ -574,7 +587,148 @@ impl ChannelConfig {
                 surfaces: &c.surfaces,
                 chats: &c.chats,
             },
+            ChannelConfig::Telegram(c) => Overrides {
+                surfaces: &c.surfaces,
+                chats: &c.chats,
+            },
         }
+    }
+}
+
+/// `[channels.NAME] kind = "telegram"`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TelegramChannelConfig {
+    /// Name of the runtime (`[runtimes.NAME]`) this bot talks to.
+    pub runtime: String,
+    /// The bot token from @BotFather. Prefer `token_file` or the
+    /// environment (`SWITCHBOARD__CHANNELS__NAME__TOKEN`).
+    #[serde(default)]
+    pub token: Option<String>,
+    /// A file holding the token (relative paths are looked up in
+    /// `$CREDENTIALS_DIRECTORY` when set).
+    #[serde(default)]
+    pub token_file: Option<PathBuf>,
+    /// The Bot API base URL (a local Bot API server, or a test fake).
+    #[serde(default = "default_telegram_api_url")]
+    pub api_url: String,
+    /// `polling` (getUpdates; works anywhere) or `webhook` (Telegram POSTs
+    /// to `webhook_url`, which must reach `/telegram/NAME` on
+    /// `server.listen`).
+    #[serde(default)]
+    pub mode: TelegramMode,
+    /// The public https URL Telegram POSTs updates to (`mode = "webhook"`).
+    #[serde(default)]
+    pub webhook_url: Option<String>,
+    /// The `secret_token` the webhook is registered with (1-256 of
+    /// `A-Za-z0-9_-`). Default: derived from the token.
+    #[serde(default)]
+    pub webhook_secret: Option<String>,
+    /// Seconds one getUpdates long poll waits.
+    #[serde(default = "default_poll_timeout_secs")]
+    pub poll_timeout_secs: u64,
+    /// Seconds any other Bot API request may take; a send that takes longer
+    /// is ambiguous.
+    #[serde(default = "default_telegram_request_timeout_secs")]
+    pub request_timeout_secs: u64,
+    /// Edited messages: `ignore` (journaled with the reason) or `new-input`.
+    #[serde(default)]
+    pub edits: TelegramEdits,
+    /// Replies quote the message they answer.
+    #[serde(default = "default_true")]
+    pub reply_references: bool,
+    /// Stream answers in private chats as drafts (`sendMessageDraft`)
+    /// instead of an edited preview message.
+    #[serde(default)]
+    pub drafts: bool,
+    /// Surface settings for this account only, by surface name.
+    #[serde(default)]
+    pub surfaces: BTreeMap<String, SurfaceSettings>,
+    /// Surface settings for single chats of this account, by chat id.
+    #[serde(default)]
+    pub chats: BTreeMap<String, SurfaceSettings>,
+    /// Who may talk to the bot.
+    #[serde(default)]
+    pub access: AccessConfig,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TelegramMode {
+    #[default]
+    Polling,
+    Webhook,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TelegramEdits {
+    #[default]
+    Ignore,
+    NewInput,
+}
+
+fn default_telegram_api_url() -> String {
+    switchboard_telegram::DEFAULT_API_URL.to_owned()
+}
+
+fn default_poll_timeout_secs() -> u64 {
+    30
+}
+
+fn default_telegram_request_timeout_secs() -> u64 {
+    20
+}
+
+fn default_true() -> bool {
+    true
+}
+
+impl TelegramChannelConfig {
+    /// The token, from `token` or `token_file`.
+    pub fn resolve_token(&self) -> Result<String, String> {
+        match (&self.token, &self.token_file) {
+            (Some(t), _) => Ok(t.trim().to_owned()),
+            (None, Some(path)) => read_secret_file(path),
+            (None, None) => Err(
+                "no token; set token_file (or token, or SWITCHBOARD__CHANNELS__NAME__TOKEN)".into(),
+            ),
+        }
+    }
+
+    /// The adapter's settings. `commands` is the menu to register.
+    pub fn settings(
+        &self,
+        name: &str,
+        commands: Vec<(String, String)>,
+    ) -> Result<switchboard_telegram::TelegramSettings, String> {
+        use switchboard_telegram::{Edits, Mode};
+        let token = self.resolve_token()?;
+        let mode = match self.mode {
+            TelegramMode::Polling => Mode::Polling,
+            TelegramMode::Webhook => Mode::Webhook {
+                public_url: self.webhook_url.clone().unwrap_or_default(),
+                secret: self
+                    .webhook_secret
+                    .clone()
+                    .unwrap_or_else(|| switchboard_telegram::derived_webhook_secret(&token)),
+            },
+        };
+        Ok(switchboard_telegram::TelegramSettings {
+            account: name.to_owned(),
+            token,
+            api_url: self.api_url.clone(),
+            mode,
+            poll_timeout: Duration::from_secs(self.poll_timeout_secs),
+            request_timeout: Duration::from_secs(self.request_timeout_secs),
+            edits: match self.edits {
+                TelegramEdits::Ignore => Edits::Ignore,
+                TelegramEdits::NewInput => Edits::NewInput,
+            },
+            reply_references: self.reply_references,
+            drafts: self.drafts,
+            commands,
+        })
     }
 }
 
@@ -1010,10 +1164,11 @@ impl Config {
         if self.channels.is_empty() {
             problem(
                 "channels".into(),
-                "no channel account is configured; add [channels.NAME] with kind = \"webhook\""
+                "no channel account is configured; add [channels.NAME] with kind = \"webhook\" or \"telegram\""
                     .into(),
             );
         }
+        let mut telegram_bots: BTreeMap<String, String> = BTreeMap::new();
         for (name, channel) in &self.channels {
             if !valid_name(name) {
                 problem(
@@ -1092,6 +1247,9 @@ impl Config {
                             "must be at least 1".into(),
                         );
                     }
+                }
+                ChannelConfig::Telegram(t) => {
+                    validate_telegram(name, t, &mut problem, &mut telegram_bots)
                 }
             }
         }
@@ -1239,6 +1397,92 @@ pub fn parse_listen(value: &str) -> Result<SocketAddr, String> {
     value.parse::<SocketAddr>().map_err(|_| {
         format!("{value:?} is not an address; write \"host:port\" with an IP host, e.g. \"127.0.0.1:8780\"")
     })
+}
+
+fn validate_telegram(
+    name: &str,
+    t: &TelegramChannelConfig,
+    problem: &mut impl FnMut(String, String),
+    bots: &mut BTreeMap<String, String>,
+) {
+    let key = |k: &str| format!("channels.{name}.{k}");
+    match (&t.token, &t.token_file) {
+        (Some(_), Some(_)) => problem(
+            key("token"),
+            "set either token or token_file, not both".into(),
+        ),
+        (None, None) => problem(
+            key("token"),
+            format!(
+                "no bot token; set token_file (a file holding the token from @BotFather), token, or the environment variable SWITCHBOARD__CHANNELS__{}__TOKEN",
+                name.to_uppercase()
+            ),
+        ),
+        (Some(token), None) => match switchboard_telegram::identity(token.trim()) {
+            Ok(identity) => {
+                if let Some(other) = bots.insert(identity.clone(), name.to_owned()) {
+                    problem(
+                        key("token"),
+                        format!(
+                            "channels.{other} uses the same bot ({identity}); one bot can be one channel account only"
+                        ),
+                    );
+                }
+            }
+            Err(e) => problem(key("token"), e),
+        },
+        // The file is read when the daemon starts (`check` warns when it cannot).
+        (None, Some(_)) => {}
+    }
+    match reqwest::Url::parse(&t.api_url) {
+        Ok(url) if url.scheme() == "http" || url.scheme() == "https" => {}
+        _ => problem(
+            key("api_url"),
+            format!(
+                "{:?} is not an http(s) URL; leave it out to use {}",
+                t.api_url,
+                switchboard_telegram::DEFAULT_API_URL
+            ),
+        ),
+    }
+    match (t.mode, &t.webhook_url) {
+        (TelegramMode::Webhook, None) => problem(
+            key("webhook_url"),
+            format!(
+                "mode = \"webhook\" needs the public https URL that reaches /telegram/{name} on server.listen (e.g. through a reverse proxy), or use mode = \"polling\""
+            ),
+        ),
+        (TelegramMode::Webhook, Some(url)) => match reqwest::Url::parse(url) {
+            Ok(u) if u.scheme() == "https" || u.scheme() == "http" => {}
+            _ => problem(key("webhook_url"), format!("{url:?} is not an https URL")),
+        },
+        (TelegramMode::Polling, Some(_)) => problem(
+            key("webhook_url"),
+            "is only used with mode = \"webhook\"; remove it or set the mode".into(),
+        ),
+        (TelegramMode::Polling, None) => {}
+    }
+    if let Some(secret) = &t.webhook_secret
+        && (secret.is_empty()
+            || secret.len() > 256
+            || !secret
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-'))
+    {
+        problem(
+            key("webhook_secret"),
+            "must be 1-256 characters of A-Z, a-z, 0-9, '_' and '-' (Telegram's rule); or leave it out to derive one from the token".into(),
+        );
+    }
+    if !(1..=50).contains(&t.poll_timeout_secs) {
+        problem(
+            key("poll_timeout_secs"),
+            "must be between 1 and 50 seconds".into(),
+        );
+    }
+    if t.request_timeout_secs == 0 {
+        problem(key("request_timeout_secs"), "must be at least 1".into());
+    }
 }
 
 fn valid_name(name: &str) -> bool {

@@ -17,7 +17,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use switchboard_channel::{ChannelAdapter, IngressSink, Platform};
+use switchboard_channel::{AccountStatus, ChannelAdapter, IngressSink, Platform};
+use switchboard_telegram::TelegramChannel;
 use switchboard_webhook::{IngressAccount, WebhookSender};
 use tokio::net::TcpListener;
 use tokio::sync::Notify;
@@ -56,6 +57,9 @@ pub struct Daemon {
     /// Stops the HTTP listeners.
     listeners_stop: CancellationToken,
     listeners: Vec<JoinHandle<()>>,
+    /// Stops the platform connections (Telegram polling).
+    channels_stop: CancellationToken,
+    channel_tasks: Vec<JoinHandle<()>>,
     /// Stops the submitter and the reconciler.
     workers_stop: CancellationToken,
     submitter: JoinHandle<()>,
@@ -101,6 +105,7 @@ impl Daemon {
         let mut adapters: HashMap<String, Arc<dyn ChannelAdapter>> = HashMap::new();
         let mut account_names = HashMap::new();
         let mut webhook_accounts = HashMap::new();
+        let mut telegram: Vec<Arc<TelegramChannel>> = Vec::new();
         for (name, channel) in &config.channels {
             match channel {
                 ChannelConfig::Webhook(w) => {
@@ -124,6 +129,26 @@ impl Daemon {
                         name: name.clone(),
                         identity,
                         platform: Platform::Webhook,
+                    });
+                }
+                ChannelConfig::Telegram(t) => {
+                    let menu = crate::commands::MENU
+                        .iter()
+                        .map(|(n, d)| ((*n).to_owned(), (*d).to_owned()))
+                        .collect();
+                    let channel = t
+                        .settings(name, menu)
+                        .and_then(TelegramChannel::new)
+                        .map_err(|e| anyhow::anyhow!("channels.{name}: {e}"))?;
+                    let channel = Arc::new(channel);
+                    let identity = channel.identity().to_owned();
+                    adapters.insert(identity.clone(), channel.clone());
+                    telegram.push(channel);
+                    account_names.insert(identity.clone(), (name.clone(), t.runtime.clone()));
+                    accounts.push(AccountInfo {
+                        name: name.clone(),
+                        identity,
+                        platform: Platform::Telegram,
                     });
                 }
             }
@@ -180,13 +205,35 @@ impl Daemon {
         let ingress_addr = server_listener.local_addr()?;
         let admin_addr = admin_listener.local_addr()?;
         let sink: Arc<dyn IngressSink> = ingress.clone();
-        let public = switchboard_webhook::router(webhook_accounts, sink, config.server.body_limit);
+        for name in webhook_accounts.keys() {
+            sink.report_status(
+                name,
+                AccountStatus::Up(format!("webhook channel at /v1/channels/{name}/updates")),
+            );
+        }
+        let telegram_webhooks = telegram
+            .iter()
+            .map(|c| (c.account().to_owned(), c.clone()))
+            .collect();
+        let public =
+            switchboard_webhook::router(webhook_accounts, sink.clone(), config.server.body_limit)
+                .merge(switchboard_telegram::webhook_router(
+                    telegram_webhooks,
+                    sink.clone(),
+                ));
         let admin = crate::admin::router(crate::admin::AdminState {
             observer: observer.clone(),
             store: store.clone(),
             clock: clock.clone(),
             config: config.clone(),
             scheduler_wake: scheduler_wake.clone(),
+            adapters: adapters
+                .iter()
+                .filter_map(|(identity, adapter)| {
+                    let (name, _) = account_names.get(identity)?;
+                    Some((name.clone(), adapter.clone()))
+                })
+                .collect(),
         });
         let listeners = vec![
             spawn_server("server", server_listener, public, listeners_stop.clone()),
@@ -346,6 +393,17 @@ impl Daemon {
             })
         };
 
+        // Platform connections last: updates may flow from here on.
+        let channels_stop = CancellationToken::new();
+        let channel_tasks = telegram
+            .into_iter()
+            .map(|channel| {
+                let sink = sink.clone();
+                let stop = channels_stop.clone();
+                tokio::spawn(async move { channel.run(sink, stop).await })
+            })
+            .collect();
+
         tracing::info!(
             store = %store.describe(),
             server = %ingress_addr,
@@ -364,6 +422,8 @@ impl Daemon {
             runtimes: runtime_list,
             listeners_stop,
             listeners,
+            channels_stop,
+            channel_tasks,
             workers_stop,
             submitter,
             reconciler,
@@ -387,6 +447,10 @@ impl Daemon {
         // The listeners stay up until the end and answer 503, so platforms
         // see "try again later" rather than a refused connection.
         self.ingress.stop_accepting();
+        self.channels_stop.cancel();
+        for task in self.channel_tasks {
+            let _ = tokio::time::timeout(Duration::from_secs(2), task).await;
+        }
         self.workers_stop.cancel();
         let _ = self.submitter.await;
         let _ = self.reconciler.await;

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use async_trait::async_trait;
 use switchboard_channel::{
-    AcceptStatus, Accepted, Content, Envelope, IngressError, IngressSink, Platform,
+    AcceptStatus, Accepted, AccountStatus, Content, Envelope, IngressError, IngressSink, Platform,
 };
 use tokio::sync::Notify;
 
@@ -88,6 +88,17 @@ impl Ingress {
                 Disposition::Ignored,
                 Some(format!("unsupported update kind {kind:?}: {reason}")),
             ),
+            Content::ChatMigrated { to_chat_id } => (
+                Disposition::Ignored,
+                Some(format!(
+                    "chat {} migrated to {to_chat_id}; its conversations, unsent replies and schedules moved there",
+                    envelope.chat_id
+                )),
+            ),
+        };
+        let migrates_to = match &envelope.content {
+            Content::ChatMigrated { to_chat_id } => Some(to_chat_id.clone()),
+            _ => None,
         };
         let payload = serde_json::to_string(&envelope.content)
             .map_err(|e| IngressError::Invalid(format!("content cannot be stored: {e}")))?;
@@ -117,6 +128,7 @@ impl Ingress {
             reason,
             input_policy: envelope.input_policy,
             closes_conversation,
+            migrates_to,
             addressed: envelope.addressed,
             received_at: self.clock.now_ms(),
         })
@@ -185,6 +197,20 @@ impl IngressSink for Ingress {
                 }
             }
         })
+    }
+
+    fn report_status(&self, account: &str, status: AccountStatus) {
+        if !self.accounts.contains_key(account) {
+            return;
+        }
+        match &status {
+            AccountStatus::Down(reason) => {
+                tracing::error!(account, %reason, "channel account is down")
+            }
+            AccountStatus::Up(detail) => tracing::info!(account, %detail, "channel account is up"),
+            AccountStatus::Starting => {}
+        }
+        self.observer.channel_status(account, &status);
     }
 
     fn record_rejection(&self, account: &str, code: &str, detail: &str) {

@@ -289,11 +289,21 @@ async fn dispatch(command: Command) -> ExitCode {
         }
         Command::Check(args) => match load(&args) {
             Ok(config) => {
+                use switchboard::config::ChannelConfig;
                 for (name, channel) in &config.channels {
-                    let switchboard::config::ChannelConfig::Webhook(w) = channel;
-                    if let Err(e) = w.resolve_secret() {
+                    let unreadable = match channel {
+                        ChannelConfig::Webhook(w) => {
+                            w.resolve_secret().err().map(|e| ("secret_file", e))
+                        }
+                        ChannelConfig::Telegram(t) => t
+                            .resolve_token()
+                            .and_then(|token| switchboard_telegram::identity(&token))
+                            .err()
+                            .map(|e| ("token_file", e)),
+                    };
+                    if let Some((key, e)) = unreadable {
                         println!(
-                            "warning: channels.{name}.secret_file: {e} (the daemon will refuse to start)"
+                            "warning: channels.{name}.{key}: {e} (the daemon will refuse to start)"
                         );
                     }
                 }

@@ -5,7 +5,8 @@
 //! Every part reports through one [`Observer`], so a counter and its event
 //! can never disagree.
 
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
@@ -92,7 +93,18 @@ pub struct Observer {
     occurrences: Family<Labels, Counter>,
     schedule_lag: Gauge<f64, std::sync::atomic::AtomicU64>,
     oldest_unsent_age: Gauge<f64, std::sync::atomic::AtomicU64>,
+    channel_up: Family<Labels, Gauge>,
+    /// Each channel account's last reported state, by configured name.
+    channels: Mutex<BTreeMap<String, ChannelState>>,
     events: broadcast::Sender<Event>,
+}
+
+/// A channel account's connection state, as `/readyz` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct ChannelState {
+    /// `starting`, `up` or `down`.
+    pub state: &'static str,
+    pub detail: String,
 }
 
 impl Default for Observer {
@@ -165,6 +177,12 @@ impl Observer {
             "How late the last schedule occurrence was handled after its slot",
             schedule_lag.clone(),
         );
+        let channel_up = Family::<Labels, Gauge>::default();
+        registry.register(
+            "switchboard_channel_up",
+            "1 while a channel account receives updates, 0 while it is starting or down",
+            channel_up.clone(),
+        );
         let (events, _) = broadcast::channel(4096);
         Observer {
             registry,
@@ -180,6 +198,8 @@ impl Observer {
             occurrences,
             schedule_lag,
             oldest_unsent_age,
+            channel_up,
+            channels: Mutex::new(BTreeMap::new()),
             events,
         }
     }
@@ -354,6 +374,30 @@ impl Observer {
         self.emit(Event::Fenced {
             item_key: item_key.to_owned(),
         });
+    }
+
+    /// A channel account's adapter reported its state (only configured
+    /// account names reach this, so labels cannot grow without bound).
+    pub fn channel_status(&self, account: &str, status: &switchboard_channel::AccountStatus) {
+        use switchboard_channel::AccountStatus::*;
+        let (state, detail) = match status {
+            Starting => ("starting", String::new()),
+            Up(d) => ("up", d.clone()),
+            Down(d) => ("down", d.clone()),
+        };
+        self.channel_up
+            .get_or_create(&vec![("account", account.to_owned())])
+            .set(i64::from(state == "up"));
+        let mut channels = self.channels.lock().unwrap_or_else(|p| p.into_inner());
+        channels.insert(account.to_owned(), ChannelState { state, detail });
+    }
+
+    /// Every channel account's state, by configured name.
+    pub fn channel_states(&self) -> BTreeMap<String, ChannelState> {
+        self.channels
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     pub fn reconciled(&self, item_key: &str, action: &'static str) {

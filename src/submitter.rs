@@ -261,6 +261,12 @@ impl Submitter {
                     format!("update kind {kind:?} cannot be submitted"),
                 );
             }
+            Content::ChatMigrated { to_chat_id } => {
+                return Step::Settle(
+                    Disposition::Ignored,
+                    format!("the chat migrated to {to_chat_id}"),
+                );
+            }
         };
         if let Some((command, args)) = commands::parse(&text) {
             return Step::Command(command, args.to_owned());
@@ -506,6 +512,7 @@ impl Submitter {
             text: text.to_owned(),
             group_key: None,
             edits_key: None,
+            attachments: Vec::new(),
             created_at: now,
         }
     }

@@ -121,6 +121,7 @@ impl ChannelAdapter for FakePlatform {
             idempotent_send: self.idempotent,
             edit: false,
             typing: false,
+            drafts: false,
         }
     }
     async fn send(&self, m: &OutboundMessage) -> Result<Receipt, DeliveryError> {
@@ -290,6 +291,7 @@ fn item(key: String, conversation_id: i64, account: &str, surface: SurfaceKind) 
         text: key,
         group_key: None,
         edits_key: None,
+        attachments: Vec::new(),
         created_at: 0,
     }
 }

@@ -210,6 +210,7 @@ async fn a_message_waiting_on_an_unreachable_runtime_gets_one_notice_and_is_answ
             submission_key: "in-1".into(),
             input_policy: None,
             closes_conversation: false,
+            migrates_to: None,
             addressed: true,
             received_at: 0,
         }])
@@ -319,6 +320,7 @@ impl switchboard_channel::ChannelAdapter for Typist {
             idempotent_send: false,
             edit: true,
             typing: true,
+            drafts: false,
         }
     }
     async fn send(

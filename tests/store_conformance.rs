@@ -30,6 +30,7 @@ mod suite {
             submission_key: switchboard::keys::submission_key(account, key),
             input_policy: None,
             closes_conversation: false,
+            migrates_to: None,
             addressed: true,
             received_at: 1_000,
         }
@@ -304,6 +305,7 @@ mod suite {
                 text: text.into(),
                 group_key: None,
                 edits_key: None,
+                attachments: Vec::new(),
             }],
             absorb: vec![],
             now: 5_000,
@@ -872,8 +874,96 @@ mod suite {
             text: key.into(),
             group_key: None,
             edits_key: None,
+            attachments: Vec::new(),
             created_at: 1_000,
         }
+    }
+
+    pub async fn chat_migration_moves_conversations_replies_and_access(store: SharedStore) {
+        // A group with an open conversation, an unsent reply, a delivered
+        // one and a schedule.
+        let first = store
+            .journal_insert(&[inbound("telegram:1", "-5:1", "-5", None)])
+            .await
+            .unwrap();
+        let (_, _, conversation) = ids(first[0]);
+        let attachment = switchboard_channel::AttachmentRef {
+            reference: "file-1".into(),
+            media_type: Some("image/png".into()),
+            size: Some(3),
+            filename: None,
+        };
+        let unsent = NewOutboxItem {
+            account: "telegram:1".into(),
+            chat_id: "-5".into(),
+            attachments: vec![attachment.clone()],
+            ..item("unsent", conversation)
+        };
+        let sent = NewOutboxItem {
+            account: "telegram:1".into(),
+            chat_id: "-5".into(),
+            ..item("sent", conversation)
+        };
+        store.outbox_enqueue(&[sent, unsent]).await.unwrap();
+        let claimed = store.outbox_claim(&claim(2_000, 10)).await.unwrap();
+        assert_eq!(claimed.len(), 1, "only the lane head is claimed");
+        store
+            .outbox_settle(&[ack(&claimed[0], 2_000)])
+            .await
+            .unwrap();
+
+        let migration = NewInbound {
+            disposition: Disposition::Ignored,
+            reason: Some("migrated".into()),
+            migrates_to: Some("-1009".into()),
+            ..inbound("telegram:1", "-5:2", "-5", None)
+        };
+        store.journal_insert(&[migration]).await.unwrap();
+
+        // The next update of the new chat continues the same conversation.
+        let next = store
+            .journal_insert(&[inbound("telegram:1", "-1009:3", "-1009", None)])
+            .await
+            .unwrap();
+        assert_eq!(ids(next[0]).2, conversation);
+        let items = store
+            .outbox_list(&OutboxFilter {
+                limit: 10,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let chat_of = |key: &str| {
+            items
+                .iter()
+                .find(|i| i.item_key == key)
+                .map(|i| (i.chat_id.clone(), i.attachments.clone()))
+                .unwrap()
+        };
+        assert_eq!(chat_of("unsent"), ("-1009".into(), vec![attachment]));
+        assert_eq!(
+            chat_of("sent"),
+            ("-5".into(), vec![]),
+            "delivered items keep the chat they were delivered to"
+        );
+        assert_eq!(
+            store.chat_origins("telegram:1", "-1009").await.unwrap(),
+            ["-5"]
+        );
+        assert!(
+            store
+                .chat_origins("telegram:1", "-5")
+                .await
+                .unwrap()
+                .is_empty()
+        );
+        assert!(
+            store
+                .chat_origins("telegram:2", "-1009")
+                .await
+                .unwrap()
+                .is_empty()
+        );
     }
 
     pub async fn outbox_previews_never_follow_their_answer(store: SharedStore) {
@@ -889,6 +979,7 @@ mod suite {
         );
         let answer = NewOutboxItem {
             edits_key: Some("run-1-preview".into()),
+            attachments: Vec::new(),
             ..item("run-1-answer-1", 1)
         };
         store.outbox_enqueue(&[answer]).await.unwrap();
@@ -1407,6 +1498,7 @@ conformance!(sqlite, open_sqlite;
     schedules_advance_once_per_slot,
     occurrences_are_claimed_once_and_settled_fenced,
     chats_and_accounts_are_remembered,
+    chat_migration_moves_conversations_replies_and_access,
 );
 
 #[tokio::test]

@@ -88,6 +88,7 @@ async fn drain_once(items: usize, conversations: usize) -> anyhow::Result<f64> {
             text: TEXT.to_owned(),
             group_key: None,
             edits_key: None,
+            attachments: Vec::new(),
             created_at: 0,
         })
         .collect();

@@ -229,6 +229,7 @@ impl Dispatcher {
             chat_id: item.chat_id.clone(),
             thread_id: item.thread_id.clone(),
             text: item.text.clone(),
+            attachments: item.attachments.clone(),
             reply_to: item.reply_to.clone(),
             action,
             meta: OutboundMeta {

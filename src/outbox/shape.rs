@@ -50,6 +50,7 @@ impl Shaper {
                 text: chunk,
                 group_key: Some(keys::answer_group(&run)),
                 edits_key: (i == 0).then(|| keys::preview_item_key(&run)),
+                attachments: Vec::new(),
             })
             .collect()
     }
@@ -63,6 +64,7 @@ impl Shaper {
             text: text.to_owned(),
             group_key: None,
             edits_key: Some(keys::preview_item_key(&run_id.to_string())),
+            attachments: Vec::new(),
         }
     }
 
@@ -75,6 +77,7 @@ impl Shaper {
             text: marker.to_owned(),
             group_key: None,
             edits_key: Some(keys::preview_item_key(&run_id.to_string())),
+            attachments: Vec::new(),
         }
     }
 }

@@ -9,8 +9,12 @@
 //! limit buckets as sends, never persisted and never replayed. The run's
 //! final answer is a durable item that edits the preview into the exact
 //! final text; transient edits stop once it exists, and never overlap it
-//! (the chat's lock). On terminal-only surfaces a typing indicator is shown
-//! instead, renewed while the run is producing output.
+//! (the chat's lock). In private chats of a platform with drafts (Telegram
+//! `sendMessageDraft`, when the account enables them) the preview is a
+//! transient draft instead: nothing durable exists until the final answer,
+//! which is sent as a new message, and no draft follows it. On terminal-only
+//! surfaces a typing indicator is shown instead, renewed while the run is
+//! producing output.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -47,6 +51,8 @@ enum Preview {
     Created,
     /// Shown: edits go to this message.
     Shown(String),
+    /// Streamed as transient drafts (no durable preview).
+    Drafting,
     /// Replaced by the final answer, or never shown: no more edits.
     Done,
 }
@@ -171,6 +177,13 @@ impl Streamer {
                     }
                 }
             }
+            Delivery::Streaming
+                if capabilities.drafts
+                    && !stream.route.surface.is_group()
+                    && stream.preview == Preview::None =>
+            {
+                stream.preview = Preview::Drafting;
+            }
             Delivery::Streaming if capabilities.edit && stream.preview == Preview::None => {
                 self.create_preview(stream, adapter.as_ref()).await;
             }
@@ -199,6 +212,7 @@ impl Streamer {
             text: first.clone(),
             group_key: None,
             edits_key: None,
+            attachments: Vec::new(),
             created_at: self.clock.now_ms(),
         };
         let final_key = keys::answer_item_key(&stream.run_id, 1);
@@ -259,8 +273,10 @@ impl Streamer {
                     Err(_) => Preview::Created,
                 };
             }
-            let Preview::Shown(message_id) = &stream.preview else {
-                continue;
+            let message_id = match &stream.preview {
+                Preview::Shown(id) => Some(id.clone()),
+                Preview::Drafting => None,
+                _ => continue,
             };
             let due = stream
                 .last_edit
@@ -285,7 +301,6 @@ impl Streamer {
             let run_id = stream.run_id.clone();
             let conversation_id = stream.conversation_id;
             let route = stream.route.clone();
-            let message_id = message_id.clone();
             let editing = stream.editing.clone();
             let edited = stream.edited.clone();
             tokio::spawn(async move {
@@ -309,14 +324,15 @@ impl Streamer {
         });
     }
 
-    /// One transient edit of a shown preview.
+    /// One transient edit of a shown preview, or one draft when
+    /// `message_id` is `None`.
     async fn edit(
         &self,
         adapter: &dyn ChannelAdapter,
         run_id: &str,
         conversation_id: i64,
         route: &Route,
-        message_id: String,
+        message_id: Option<String>,
         text: String,
     ) -> EditResult {
         let preview_key = keys::preview_item_key(run_id);
@@ -334,12 +350,35 @@ impl Streamer {
         {
             return EditResult::Skipped;
         }
+        let Some(message_id) = message_id else {
+            return match adapter
+                .draft(
+                    &route.chat_id,
+                    route.thread_id.as_deref(),
+                    draft_id(run_id),
+                    &text,
+                )
+                .await
+            {
+                Ok(()) => EditResult::Shown(text),
+                Err(DeliveryError::RetryAfter { after, scope }) => {
+                    self.rate
+                        .pause(&route.account, &route.chat_id, scope, after);
+                    EditResult::Skipped
+                }
+                Err(e) => {
+                    tracing::debug!(run = run_id, error = %e, "draft not shown; the final answer is still sent");
+                    EditResult::Skipped
+                }
+            };
+        };
         let message = OutboundMessage {
             // Transient: each edit its own key, never stored.
             item_key: format!("{preview_key}-edit-{}", self.clock.now_ms()),
             chat_id: route.chat_id.clone(),
             thread_id: route.thread_id.clone(),
             text: text.clone(),
+            attachments: Vec::new(),
             reply_to: None,
             action: SendAction::Edit { message_id },
             meta: OutboundMeta {
@@ -359,6 +398,20 @@ impl Streamer {
                 tracing::debug!(run = run_id, error = %e, "transient preview edit failed; the final answer still replaces the preview");
                 EditResult::Skipped
             }
+        }
+    }
+}
+
+/// A run's draft id: non-zero, and the same for every draft of its answer.
+fn draft_id(run_id: &str) -> i64 {
+    match run_id.parse::<i64>() {
+        Ok(id) if id > 0 => id,
+        _ => {
+            // Remote runtimes name runs with strings: FNV-1a, kept positive.
+            let hash = run_id.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+                (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+            });
+            (hash >> 1).max(1) as i64
         }
     }
 }

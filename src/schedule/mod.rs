@@ -472,6 +472,7 @@ impl Scheduler {
                     text: schedule.text.clone(),
                     group_key: None,
                     edits_key: None,
+                    attachments: Vec::new(),
                     created_at: now,
                 })),
             },

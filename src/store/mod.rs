@@ -297,6 +297,10 @@ pub trait AccessStore: Send + Sync {
     /// Revoke a user's pairing. `false` when there was none.
     async fn pairing_revoke(&self, account: &str, user_id: &str, now: i64) -> StoreResult<bool>;
 
+    /// The chats that became `chat_id` (directly or through a chain of
+    /// migrations), oldest last.
+    async fn chat_origins(&self, account: &str, chat_id: &str) -> StoreResult<Vec<String>>;
+
     /// Newest first, optionally one account's.
     async fn pairing_list(
         &self,

@@ -2,7 +2,7 @@
 //! the SQL row mapping (`as_str` / `parse`).
 
 use serde::Serialize;
-use switchboard_channel::{ChatKind, InputPolicy};
+use switchboard_channel::{AttachmentRef, ChatKind, InputPolicy};
 
 use crate::surface::SurfaceKind;
 
@@ -157,6 +157,10 @@ pub struct NewInbound {
     /// `/new`: the conversation is closed in the same transaction, so the
     /// next update of the chat starts a new one.
     pub closes_conversation: bool,
+    /// The chat migrated to this id: its open conversations, unfinished runs,
+    /// unsent replies, schedules and settings move there in the same
+    /// transaction.
+    pub migrates_to: Option<String>,
     /// The bot was addressed (always, in a private chat).
     pub addressed: bool,
     pub received_at: i64,
@@ -318,6 +322,8 @@ pub struct NewReply {
     pub group_key: Option<String>,
     /// The item (a preview) whose message this one edits, when it exists.
     pub edits_key: Option<String>,
+    /// Files sent with the text (the first chunk of an answer carries them).
+    pub attachments: Vec<AttachmentRef>,
 }
 
 /// A run's terminal record and the reply items it creates, written in one
@@ -373,6 +379,7 @@ pub struct NewOutboxItem {
     pub text: String,
     pub group_key: Option<String>,
     pub edits_key: Option<String>,
+    pub attachments: Vec<AttachmentRef>,
     pub created_at: i64,
 }
 
@@ -393,6 +400,8 @@ pub struct OutboxItem {
     pub text: String,
     pub group_key: Option<String>,
     pub edits_key: Option<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub attachments: Vec<AttachmentRef>,
     pub state: DispatchState,
     /// `NotSent` outcomes so far.
     pub attempts: i64,

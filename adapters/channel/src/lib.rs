@@ -164,6 +164,10 @@ pub enum Content {
     /// journaled, with disposition `ignored` and this reason, so nothing is
     /// dropped silently.
     Unsupported { kind: String, reason: String },
+    /// The chat became another chat (a Telegram group upgraded to a
+    /// supergroup gets a new id). Journaled as ignored; the core moves the
+    /// chat's conversations, unsent replies and schedules to the new id.
+    ChatMigrated { to_chat_id: String },
 }
 
 /// One inbound update, platform-neutral.
@@ -238,6 +242,24 @@ pub trait IngressSink: Send + Sync {
     /// operator can see it in logs and metrics. `code` is a short stable
     /// label (`malformed_json`, `body_too_large`, ...).
     fn record_rejection(&self, account: &str, code: &str, detail: &str);
+
+    /// Report the account's connection state (shown on `/readyz` and as the
+    /// `switchboard_channel_up` gauge). Accounts that never report are up.
+    fn report_status(&self, account: &str, status: AccountStatus) {
+        let _ = (account, status);
+    }
+}
+
+/// A channel account's connection to its platform, as its adapter sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AccountStatus {
+    /// Connecting (checking the token, registering a webhook).
+    Starting,
+    /// Receiving updates; the detail says how (`polling as @bot`).
+    Up(String),
+    /// Not receiving updates; the reason names the problem and the fix.
+    /// Other accounts are unaffected.
+    Down(String),
 }
 
 /// Whether an outbound message creates a new platform message or edits one.
@@ -267,6 +289,9 @@ pub struct OutboundMessage {
     pub chat_id: String,
     pub thread_id: Option<String>,
     pub text: String,
+    /// Files to send with the text (platform file ids or URLs), with the
+    /// platform's matching send method.
+    pub attachments: Vec<AttachmentRef>,
     /// The platform message id this answers, when the surface references it.
     pub reply_to: Option<String>,
     pub action: SendAction,
@@ -308,6 +333,19 @@ pub enum DeliveryError {
     Ambiguous(String),
 }
 
+/// Why an attachment could not be downloaded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FetchError {
+    #[error("this channel cannot download attachments")]
+    Unsupported,
+    #[error("the platform does not know that file: {0}")]
+    NotFound(String),
+    #[error("the file is {size} bytes, over the {limit}-byte limit")]
+    TooLarge { size: u64, limit: u64 },
+    #[error("the download failed: {0}")]
+    Failed(String),
+}
+
 /// How a platform counts text length.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LengthUnit {
@@ -344,6 +382,9 @@ pub struct Capabilities {
     pub edit: bool,
     /// A typing indicator exists.
     pub typing: bool,
+    /// Transient drafts can be streamed into private chats
+    /// ([`ChannelAdapter::draft`]; Telegram `sendMessageDraft`).
+    pub drafts: bool,
 }
 
 /// One channel account's outbound side.
@@ -363,6 +404,33 @@ pub trait ChannelAdapter: Send + Sync {
     async fn typing(&self, chat_id: &str, thread_id: Option<&str>) -> Result<(), DeliveryError> {
         let _ = (chat_id, thread_id);
         Ok(())
+    }
+
+    /// Show `text` as the draft of a reply being written in a private chat.
+    /// Drafts are transient: the final answer is still sent as a message.
+    /// `draft_id` is non-zero and the same for every draft of one answer.
+    async fn draft(
+        &self,
+        chat_id: &str,
+        thread_id: Option<&str>,
+        draft_id: i64,
+        text: &str,
+    ) -> Result<(), DeliveryError> {
+        let _ = (chat_id, thread_id, draft_id, text);
+        Err(DeliveryError::Permanent(
+            "this channel has no drafts".into(),
+        ))
+    }
+
+    /// Download an attachment the platform holds (`reference` as given in an
+    /// [`AttachmentRef`]), refusing anything larger than `max_bytes`.
+    async fn fetch_attachment(
+        &self,
+        reference: &str,
+        max_bytes: u64,
+    ) -> Result<Vec<u8>, FetchError> {
+        let _ = (reference, max_bytes);
+        Err(FetchError::Unsupported)
     }
 
     /// Split a final answer into the messages this platform can take.

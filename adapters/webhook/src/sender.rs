@@ -136,6 +136,7 @@ impl ChannelAdapter for WebhookSender {
             // (The webhook surface is terminal-only by default.)
             edit: true,
             typing: false,
+            drafts: false,
         }
     }
 

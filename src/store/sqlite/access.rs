@@ -26,6 +26,23 @@ fn pairing_from_row(row: &SqliteRow) -> StoreResult<PairingRow> {
 
 #[async_trait]
 impl AccessStore for SqliteStore {
+    async fn chat_origins(&self, account: &str, chat_id: &str) -> StoreResult<Vec<String>> {
+        let rows: Vec<String> = sqlx::query_scalar(
+            "WITH RECURSIVE origin(chat, depth) AS (
+                 SELECT ?2, 0
+                 UNION
+                 SELECT m.from_chat, o.depth + 1 FROM chat_migrations m
+                 JOIN origin o ON m.account = ?1 AND m.to_chat = o.chat
+                 WHERE o.depth < 8)
+             SELECT chat FROM origin WHERE depth > 0 ORDER BY depth",
+        )
+        .bind(account)
+        .bind(chat_id)
+        .fetch_all(&self.reader)
+        .await?;
+        Ok(rows)
+    }
+
     async fn pairing_get(&self, account: &str, user_id: &str) -> StoreResult<Option<PairingRow>> {
         let row = sqlx::query(sqlx::AssertSqlSafe(format!(
             "SELECT {COLUMNS} FROM pairings WHERE account = ? AND user_id = ?"

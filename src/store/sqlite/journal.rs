@@ -67,6 +67,51 @@ fn inbound_from_row(row: &SqliteRow) -> StoreResult<InboundRow> {
     })
 }
 
+/// Move a chat's state to its new id (a Telegram group that became a
+/// supergroup). A conversation that already exists under the new id (its
+/// updates arrived first) keeps the new id; the old one is closed instead.
+async fn migrate_chat(
+    tx: &mut sqlx::Transaction<'static, sqlx::Sqlite>,
+    account: &str,
+    from: &str,
+    to: &str,
+    at: i64,
+) -> StoreResult<()> {
+    let statements = [
+        "UPDATE conversations SET closed_at = created_at
+         WHERE account = ?1 AND chat_id = ?2 AND closed_at IS NULL AND EXISTS (
+             SELECT 1 FROM conversations n WHERE n.account = ?1 AND n.chat_id = ?3
+                 AND n.thread_id = conversations.thread_id AND n.closed_at IS NULL)",
+        "UPDATE conversations SET chat_id = ?3
+         WHERE account = ?1 AND chat_id = ?2 AND closed_at IS NULL",
+        "UPDATE runs SET chat_id = ?3
+         WHERE account = ?1 AND chat_id = ?2 AND state IN ('queued', 'running', 'interrupt_requested')",
+        "UPDATE outbox SET chat_id = ?3
+         WHERE account = ?1 AND chat_id = ?2 AND state IN ('not_dispatched', 'possibly_dispatched')",
+        "UPDATE schedules SET chat_id = ?3 WHERE account = ?1 AND chat_id = ?2",
+        "UPDATE OR IGNORE chat_settings SET chat_id = ?3 WHERE account = ?1 AND chat_id = ?2",
+    ];
+    for sql in statements {
+        sqlx::query(sql)
+            .bind(account)
+            .bind(from)
+            .bind(to)
+            .execute(&mut **tx)
+            .await?;
+    }
+    sqlx::query(
+        "INSERT OR IGNORE INTO chat_migrations (account, from_chat, to_chat, migrated_at)
+         VALUES (?, ?, ?, ?)",
+    )
+    .bind(account)
+    .bind(from)
+    .bind(to)
+    .bind(at)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
 #[async_trait]
 impl JournalStore for SqliteStore {
     async fn journal_insert(&self, batch: &[NewInbound]) -> StoreResult<Vec<JournalOutcome>> {
@@ -138,6 +183,9 @@ impl JournalStore for SqliteStore {
                     .bind(conversation_id)
                     .execute(&mut *tx)
                     .await?;
+            }
+            if let Some(to) = &item.migrates_to {
+                migrate_chat(&mut tx, &item.account, &item.chat_id, to, item.received_at).await?;
             }
             outcomes.push(JournalOutcome::Accepted {
                 inbound_id,

@@ -4,6 +4,7 @@
 use async_trait::async_trait;
 use sqlx::sqlite::SqliteRow;
 use sqlx::{Row, Sqlite, Transaction};
+use switchboard_channel::AttachmentRef;
 
 use super::{SqliteStore, bad_value, thread_from_db, thread_to_db};
 use crate::store::{
@@ -17,7 +18,7 @@ macro_rules! outbox_columns {
         "id, item_key, conversation_id, ordinal, account, chat_id, thread_id, surface, reply_to,
          run_id, kind, text, group_key, edits_key, state, attempts, resends, next_attempt_at,
          lease_owner, lease_expires_at, fencing_token, dispatched_at, receipt, reason, created_at,
-         settled_at"
+         settled_at, attachments"
     };
 }
 
@@ -26,13 +27,13 @@ macro_rules! outbox_columns {
 pub(super) const INSERT_ITEM: &str =
     "INSERT INTO outbox (item_key, conversation_id, ordinal, account, chat_id, thread_id,
      surface, reply_to, run_id, kind, text, group_key, edits_key, state, head, next_attempt_at,
-     created_at)
+     created_at, attachments)
      SELECT ?1, ?2,
      COALESCE((SELECT MAX(ordinal) FROM outbox WHERE conversation_id = ?2), 0) + 1,
      ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?12, ?13, 'not_dispatched',
      NOT EXISTS (SELECT 1 FROM outbox WHERE conversation_id = ?2
      AND state IN ('not_dispatched', 'possibly_dispatched')),
-     ?11, ?11
+     ?11, ?11, ?15
      WHERE ?14 IS NULL OR NOT EXISTS (SELECT 1 FROM outbox WHERE item_key = ?14)
      ON CONFLICT (item_key) DO NOTHING";
 pub(super) const PROMOTE_HEAD: &str = "UPDATE outbox SET head = 1
@@ -101,6 +102,22 @@ pub(super) const EXPIRED: &str = concat!(
       ORDER BY lease_expires_at LIMIT ?"
 );
 
+fn attachments_to_db(attachments: &[AttachmentRef]) -> StoreResult<Option<String>> {
+    if attachments.is_empty() {
+        return Ok(None);
+    }
+    serde_json::to_string(attachments)
+        .map(Some)
+        .map_err(|e| bad_value("attachments", &e.to_string()))
+}
+
+fn attachments_from_db(stored: Option<String>) -> StoreResult<Vec<AttachmentRef>> {
+    match stored {
+        None => Ok(Vec::new()),
+        Some(json) => serde_json::from_str(&json).map_err(|_| bad_value("attachments", &json)),
+    }
+}
+
 fn item_from_row(row: &SqliteRow) -> StoreResult<OutboxItem> {
     let surface: String = row.try_get("surface")?;
     let kind: String = row.try_get("kind")?;
@@ -120,6 +137,7 @@ fn item_from_row(row: &SqliteRow) -> StoreResult<OutboxItem> {
         text: row.try_get("text")?,
         group_key: row.try_get("group_key")?,
         edits_key: row.try_get("edits_key")?,
+        attachments: attachments_from_db(row.try_get("attachments")?)?,
         state: DispatchState::parse(&state).ok_or_else(|| bad_value("state", &state))?,
         attempts: row.try_get("attempts")?,
         resends: row.try_get("resends")?,
@@ -166,6 +184,7 @@ async fn insert_item_unless(
         .bind(&item.group_key)
         .bind(&item.edits_key)
         .bind(unless_key)
+        .bind(attachments_to_db(&item.attachments)?)
         .execute(&mut **tx)
         .await?;
     Ok(done.rows_affected() == 1)

@@ -302,6 +302,7 @@ impl RunStore for SqliteStore {
                     text: reply.text.clone(),
                     group_key: reply.group_key.clone(),
                     edits_key: reply.edits_key.clone(),
+                    attachments: reply.attachments.clone(),
                     created_at: finish.now,
                 };
                 insert_item(&mut tx, &item).await?;
@@ -323,6 +324,7 @@ impl RunStore for SqliteStore {
                     text: notice.text,
                     group_key: None,
                     edits_key: None,
+                    attachments: Vec::new(),
                     created_at: finish.now,
                 };
                 insert_item(&mut tx, &item).await?;
