@@ -34,6 +34,7 @@ pub struct Access {
     allow_users: Vec<String>,
     owners: Vec<String>,
     groups: Option<Vec<String>>,
+    guilds: Vec<String>,
     trigger: GroupTrigger,
     ttl_minutes: u64,
 }
@@ -53,6 +54,7 @@ impl Access {
                 .groups
                 .clone()
                 .or(if webhook { None } else { Some(Vec::new()) }),
+            guilds: config.guilds.clone(),
             trigger: config.group_trigger.unwrap_or(if webhook {
                 GroupTrigger::All
             } else {
@@ -72,14 +74,22 @@ impl Access {
     ) -> StoreResult<Decision> {
         let sender = row.sender_id.as_deref().unwrap_or_default();
         if row.chat_kind == ChatKind::Group {
+            let in_allowed_guild = row.space.as_ref().is_some_and(|g| self.guilds.contains(g));
             if let Some(groups) = &self.groups
                 && !groups.contains(&row.chat_id)
+                && !in_allowed_guild
                 && !self.allowed_before_migration(store, row, groups).await?
             {
-                return Ok(Decision::Ignore(format!(
-                    "group chat {} is not on this account's access.groups list",
-                    row.chat_id
-                )));
+                return Ok(Decision::Ignore(match &row.space {
+                    Some(guild) => format!(
+                        "channel {} (guild {guild}) is on neither access.groups nor access.guilds",
+                        row.chat_id
+                    ),
+                    None => format!(
+                        "group chat {} is not on this account's access.groups list",
+                        row.chat_id
+                    ),
+                }));
             }
             if self.trigger == GroupTrigger::Mention && !row.addressed {
                 return Ok(Decision::Ignore(

@@ -2,7 +2,8 @@
 //! `/help`, and the scheduler's `/remind`, `/schedules`, `/cancel`,
 //! `/timezone`.
 //!
-//! A command is recognised in the text of a message; `/cmd@name` is the
+//! A command is recognised in the text of a message (`/cmd` or `!cmd`);
+//! `/cmd@name` is the
 //! same command (platforms append the bot's name in groups; whether it names
 //! *this* bot is the channel's business). Anything else starting with `/` is
 //! an ordinary message for the runtime.
@@ -64,7 +65,8 @@ pub fn parse(text: &str) -> Option<(Command, &str)> {
     let (word, args) = text
         .split_once(char::is_whitespace)
         .map_or((text, ""), |(w, a)| (w, a.trim()));
-    let name = word.strip_prefix('/')?;
+    // `!stop` is the same command: Discord users expect the `!` form.
+    let name = word.strip_prefix('/').or_else(|| word.strip_prefix('!'))?;
     let name = name.split_once('@').map_or(name, |(n, _)| n);
     let command = match name.to_ascii_lowercase().as_str() {
         "stop" => Command::Stop,
@@ -97,6 +99,9 @@ mod tests {
         assert_eq!(parse("/cancel 12"), Some((Command::Cancel, "12")));
         assert_eq!(parse("/weather in Paris"), None);
         assert_eq!(parse("stop"), None);
+        assert_eq!(parse("!stop"), Some((Command::Stop, "")));
+        assert_eq!(parse("!new"), Some((Command::New, "")));
+        assert_eq!(parse("!weather"), None);
         assert_eq!(parse(""), None);
         assert_eq!(parse("please /stop"), None);
     }

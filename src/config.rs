@@ -564,6 +564,8 @@ pub enum ChannelConfig {
     Webhook(WebhookChannelConfig),
     /// A Telegram bot.
     Telegram(TelegramChannelConfig),
+    /// A Discord bot.
+    Discord(DiscordChannelConfig),
 }
 
 impl ChannelConfig {
@@ -571,6 +573,7 @@ impl ChannelConfig {
         match self {
             ChannelConfig::Webhook(c) => &c.runtime,
             ChannelConfig::Telegram(c) => &c.runtime,
+            ChannelConfig::Discord(c) => &c.runtime,
         }
     }
 
@@ -578,6 +581,7 @@ impl ChannelConfig {
         match self {
             ChannelConfig::Webhook(c) => &c.access,
             ChannelConfig::Telegram(c) => &c.access,
+            ChannelConfig::Discord(c) => &c.access,
         }
     }
 
@@ -588,6 +592,10 @@ impl ChannelConfig {
                 chats: &c.chats,
             },
             ChannelConfig::Telegram(c) => Overrides {
+                surfaces: &c.surfaces,
+                chats: &c.chats,
+            },
+            ChannelConfig::Discord(c) => Overrides {
                 surfaces: &c.surfaces,
                 chats: &c.chats,
             },
@@ -650,6 +658,122 @@ pub struct TelegramChannelConfig {
     /// Who may talk to the bot.
     #[serde(default)]
     pub access: AccessConfig,
+}
+
+/// `[channels.NAME] kind = "discord"`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiscordChannelConfig {
+    /// Name of the runtime (`[runtimes.NAME]`) this bot talks to.
+    pub runtime: String,
+    /// The bot token (Developer Portal → Bot → Reset Token). Prefer
+    /// `token_file` or `SWITCHBOARD__CHANNELS__NAME__TOKEN`.
+    #[serde(default)]
+    pub token: Option<String>,
+    /// A file holding the token (relative paths are looked up in
+    /// `$CREDENTIALS_DIRECTORY` when set).
+    #[serde(default)]
+    pub token_file: Option<PathBuf>,
+    /// Discord's base URL (REST under `/api/v10`; a test fake).
+    #[serde(default = "default_discord_api_url")]
+    pub api_url: String,
+    /// Edited messages: `ignore` (journaled with the reason) or `new-input`.
+    #[serde(default)]
+    pub edits: TelegramEdits,
+    /// Take other bots' and webhooks' messages as inputs.
+    #[serde(default)]
+    pub allow_bots: bool,
+    /// Replies reference the message they answer.
+    #[serde(default = "default_true")]
+    pub reply_references: bool,
+    /// Run shards `range[0]..=range[1]` of `total` in this process.
+    #[serde(default)]
+    pub shards: Option<ShardsConfig>,
+    /// Gap backfill: channels whose latest journaled message is older than
+    /// this many hours are not re-read after a reconnect.
+    #[serde(default = "default_backfill_max_age_hours")]
+    pub backfill_max_age_hours: u64,
+    /// Gap backfill: at most this many channels, the most recent first.
+    #[serde(default = "default_backfill_max_channels")]
+    pub backfill_max_channels: usize,
+    /// Gap backfill: at most this many messages per channel and gap.
+    #[serde(default = "default_backfill_max_messages")]
+    pub backfill_max_messages: usize,
+    /// Seconds one REST request may take; a send that takes longer is
+    /// ambiguous (and resent safely: creates carry a nonce).
+    #[serde(default = "default_discord_request_timeout_secs")]
+    pub request_timeout_secs: u64,
+    /// Surface settings for this account only, by surface name.
+    #[serde(default)]
+    pub surfaces: BTreeMap<String, SurfaceSettings>,
+    /// Surface settings for single channels of this account, by channel id.
+    #[serde(default)]
+    pub chats: BTreeMap<String, SurfaceSettings>,
+    /// Who may talk to the bot.
+    #[serde(default)]
+    pub access: AccessConfig,
+}
+
+/// `shards = { range = [0, 1], total = 4 }`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShardsConfig {
+    /// First and last shard (inclusive) run by this process.
+    pub range: [u32; 2],
+    pub total: u32,
+}
+
+fn default_discord_api_url() -> String {
+    switchboard_discord::DEFAULT_API_URL.to_owned()
+}
+
+fn default_backfill_max_age_hours() -> u64 {
+    24
+}
+
+fn default_backfill_max_channels() -> usize {
+    100
+}
+
+fn default_backfill_max_messages() -> usize {
+    200
+}
+
+fn default_discord_request_timeout_secs() -> u64 {
+    15
+}
+
+impl DiscordChannelConfig {
+    pub fn resolve_token(&self) -> Result<String, String> {
+        match (&self.token, &self.token_file) {
+            (Some(t), _) => Ok(t.trim().to_owned()),
+            (None, Some(path)) => read_secret_file(path),
+            (None, None) => Err(
+                "no token; set token_file (or token, or SWITCHBOARD__CHANNELS__NAME__TOKEN)".into(),
+            ),
+        }
+    }
+
+    pub fn settings(&self, name: &str) -> Result<switchboard_discord::DiscordSettings, String> {
+        Ok(switchboard_discord::DiscordSettings {
+            account: name.to_owned(),
+            token: self.resolve_token()?,
+            api_url: self.api_url.clone(),
+            edits: match self.edits {
+                TelegramEdits::Ignore => switchboard_discord::Edits::Ignore,
+                TelegramEdits::NewInput => switchboard_discord::Edits::NewInput,
+            },
+            allow_bots: self.allow_bots,
+            reply_references: self.reply_references,
+            shards: self.shards.map(|s| (s.range[0], s.range[1], s.total)),
+            backfill: switchboard_discord::Backfill {
+                max_age: Duration::from_secs(self.backfill_max_age_hours * 3600),
+                max_channels: self.backfill_max_channels,
+                max_messages: self.backfill_max_messages,
+            },
+            request_timeout: Duration::from_secs(self.request_timeout_secs),
+        })
+    }
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
@@ -752,6 +876,10 @@ pub struct AccessConfig {
     /// and Discord, all on the webhook channel.
     #[serde(default)]
     pub groups: Option<Vec<String>>,
+    /// Discord: guilds (server ids) whose every channel the bot answers in,
+    /// besides the channels in `groups`.
+    #[serde(default)]
+    pub guilds: Vec<String>,
     /// In allowed groups: `mention` (answer only when mentioned or replied
     /// to; the default on Telegram and Discord) or `all`.
     #[serde(default)]
@@ -1164,7 +1292,7 @@ impl Config {
         if self.channels.is_empty() {
             problem(
                 "channels".into(),
-                "no channel account is configured; add [channels.NAME] with kind = \"webhook\" or \"telegram\""
+                "no channel account is configured; add [channels.NAME] with kind = \"webhook\", \"telegram\" or \"discord\""
                     .into(),
             );
         }
@@ -1250,6 +1378,9 @@ impl Config {
                 }
                 ChannelConfig::Telegram(t) => {
                     validate_telegram(name, t, &mut problem, &mut telegram_bots)
+                }
+                ChannelConfig::Discord(d) => {
+                    validate_discord(name, d, &mut problem, &mut telegram_bots)
                 }
             }
         }
@@ -1481,6 +1612,75 @@ fn validate_telegram(
         );
     }
     if t.request_timeout_secs == 0 {
+        problem(key("request_timeout_secs"), "must be at least 1".into());
+    }
+}
+
+fn validate_discord(
+    name: &str,
+    d: &DiscordChannelConfig,
+    problem: &mut impl FnMut(String, String),
+    bots: &mut BTreeMap<String, String>,
+) {
+    let key = |k: &str| format!("channels.{name}.{k}");
+    match (&d.token, &d.token_file) {
+        (Some(_), Some(_)) => problem(
+            key("token"),
+            "set either token or token_file, not both".into(),
+        ),
+        (None, None) => problem(
+            key("token"),
+            format!(
+                "no bot token; set token_file (a file holding the token from the Developer Portal), token, or SWITCHBOARD__CHANNELS__{}__TOKEN",
+                name.to_uppercase()
+            ),
+        ),
+        (Some(token), None) => match switchboard_discord::identity(token.trim()) {
+            Ok(identity) => {
+                if let Some(other) = bots.insert(identity.clone(), name.to_owned()) {
+                    problem(
+                        key("token"),
+                        format!(
+                            "channels.{other} uses the same bot ({identity}); one bot can be one channel account only (split it with shards across processes instead)"
+                        ),
+                    );
+                }
+            }
+            Err(e) => problem(key("token"), e),
+        },
+        (None, Some(_)) => {}
+    }
+    match reqwest::Url::parse(&d.api_url) {
+        Ok(url) if url.scheme() == "http" || url.scheme() == "https" => {}
+        _ => problem(
+            key("api_url"),
+            format!(
+                "{:?} is not an http(s) URL; leave it out to use {}",
+                d.api_url,
+                switchboard_discord::DEFAULT_API_URL
+            ),
+        ),
+    }
+    if let Some(shards) = d.shards
+        && (shards.total == 0
+            || shards.range[0] > shards.range[1]
+            || shards.range[1] >= shards.total)
+    {
+        problem(
+            key("shards"),
+            format!(
+                "range {:?} of total {} is not a shard range; shards are numbered 0..total-1, e.g. {{ range = [0, 1], total = 4 }}",
+                shards.range, shards.total
+            ),
+        );
+    }
+    if d.backfill_max_messages == 0 || d.backfill_max_channels == 0 {
+        problem(
+            key("backfill_max_messages"),
+            "backfill_max_messages and backfill_max_channels must be at least 1 (messages missed during a gap are only found by backfill)".into(),
+        );
+    }
+    if d.request_timeout_secs == 0 {
         problem(key("request_timeout_secs"), "must be at least 1".into());
     }
 }

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use switchboard_channel::{AccountStatus, ChannelAdapter, IngressSink, Platform};
+use switchboard_discord::DiscordChannel;
 use switchboard_telegram::TelegramChannel;
 use switchboard_webhook::{IngressAccount, WebhookSender};
 use tokio::net::TcpListener;
@@ -106,6 +107,7 @@ impl Daemon {
         let mut account_names = HashMap::new();
         let mut webhook_accounts = HashMap::new();
         let mut telegram: Vec<Arc<TelegramChannel>> = Vec::new();
+        let mut discord: Vec<Arc<DiscordChannel>> = Vec::new();
         for (name, channel) in &config.channels {
             match channel {
                 ChannelConfig::Webhook(w) => {
@@ -149,6 +151,22 @@ impl Daemon {
                         name: name.clone(),
                         identity,
                         platform: Platform::Telegram,
+                    });
+                }
+                ChannelConfig::Discord(d) => {
+                    let channel = d
+                        .settings(name)
+                        .and_then(DiscordChannel::new)
+                        .map_err(|e| anyhow::anyhow!("channels.{name}: {e}"))?;
+                    let channel = Arc::new(channel);
+                    let identity = channel.identity().to_owned();
+                    adapters.insert(identity.clone(), channel.clone());
+                    discord.push(channel);
+                    account_names.insert(identity.clone(), (name.clone(), d.runtime.clone()));
+                    accounts.push(AccountInfo {
+                        name: name.clone(),
+                        identity,
+                        platform: Platform::Discord,
                     });
                 }
             }
@@ -395,7 +413,7 @@ impl Daemon {
 
         // Platform connections last: updates may flow from here on.
         let channels_stop = CancellationToken::new();
-        let channel_tasks = telegram
+        let mut channel_tasks: Vec<JoinHandle<()>> = telegram
             .into_iter()
             .map(|channel| {
                 let sink = sink.clone();
@@ -403,6 +421,11 @@ impl Daemon {
                 tokio::spawn(async move { channel.run(sink, stop).await })
             })
             .collect();
+        channel_tasks.extend(discord.into_iter().map(|channel| {
+            let sink = sink.clone();
+            let stop = channels_stop.clone();
+            tokio::spawn(async move { channel.run(sink, stop).await })
+        }));
 
         tracing::info!(
             store = %store.describe(),

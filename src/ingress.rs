@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use async_trait::async_trait;
 use switchboard_channel::{
     AcceptStatus, Accepted, AccountStatus, Content, Envelope, IngressError, IngressSink, Platform,
+    RecentChat,
 };
 use tokio::sync::Notify;
 
@@ -37,6 +38,7 @@ pub struct AccountInfo {
 /// The core's ingress sink.
 pub struct Ingress {
     accounts: HashMap<String, AccountInfo>,
+    store: SharedStore,
     journal: Batcher<NewInbound, JournalOutcome>,
     accepting: AtomicBool,
     clock: SharedClock,
@@ -55,13 +57,15 @@ impl Ingress {
         observer: SharedObserver,
         submitter_wake: Arc<Notify>,
     ) -> (Arc<Ingress>, tokio::task::JoinHandle<()>) {
+        let writer = store.clone();
         let (journal, task) =
             Batcher::spawn("journal", batch_size, move |batch: Vec<NewInbound>| {
-                let store = store.clone();
+                let store = writer.clone();
                 async move { store.journal_insert(&batch).await }
             });
         let ingress = Arc::new(Ingress {
             accounts: accounts.into_iter().map(|a| (a.name.clone(), a)).collect(),
+            store,
             journal,
             accepting: AtomicBool::new(true),
             clock,
@@ -119,6 +123,7 @@ impl Ingress {
             chat_id: envelope.chat_id,
             chat_kind: envelope.chat_kind,
             thread_id: envelope.thread_id,
+            space: envelope.space,
             surface: SurfaceKind::of(account.platform, envelope.chat_kind),
             sender_id,
             sender_name,
@@ -197,6 +202,32 @@ impl IngressSink for Ingress {
                 }
             }
         })
+    }
+
+    async fn recent_chats(
+        &self,
+        account: &str,
+        within: std::time::Duration,
+        limit: usize,
+    ) -> Result<Vec<RecentChat>, IngressError> {
+        let info = self
+            .accounts
+            .get(account)
+            .ok_or_else(|| IngressError::UnknownAccount(account.to_owned()))?;
+        let since = self.clock.now_ms() - within.as_millis() as i64;
+        let chats = self
+            .store
+            .journal_recent_chats(&info.identity, since, limit)
+            .await
+            .map_err(|e| IngressError::Store(e.to_string()))?;
+        Ok(chats
+            .into_iter()
+            .map(|c| RecentChat {
+                chat_id: c.chat_id,
+                thread_id: c.thread_id,
+                last_message_id: c.last_message_id,
+            })
+            .collect())
     }
 
     fn report_status(&self, account: &str, status: AccountStatus) {

@@ -300,6 +300,11 @@ async fn dispatch(command: Command) -> ExitCode {
                             .and_then(|token| switchboard_telegram::identity(&token))
                             .err()
                             .map(|e| ("token_file", e)),
+                        ChannelConfig::Discord(d) => d
+                            .resolve_token()
+                            .and_then(|token| switchboard_discord::identity(&token))
+                            .err()
+                            .map(|e| ("token_file", e)),
                     };
                     if let Some((key, e)) = unreadable {
                         println!(

@@ -132,3 +132,37 @@ fn the_telegram_example_documents_the_real_defaults() {
         assert_eq!(documented.surface(kind), minimal.surface(kind), "{kind}");
     }
 }
+
+#[test]
+fn the_discord_example_documents_the_real_defaults() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/discord.toml");
+    let documented = Config::from_toml(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let minimal = Config::from_toml(
+        r#"
+        [store]
+        url = "sqlite://data/discord.db"
+        [runtimes.default]
+        kind = "local"
+        model = { backend = "echo" }
+        [channels.dc]
+        kind = "discord"
+        runtime = "default"
+        token_file = "discord-token"
+        "#,
+    )
+    .unwrap();
+    let channel = |c: &Config| {
+        let ch = &c.channels["dc"];
+        let access = switchboard::access::Access::resolve(
+            ch.access(),
+            switchboard_channel::Platform::Discord,
+        );
+        let rest = format!("{ch:?}");
+        let rest = rest.split("access:").next().unwrap_or_default().to_owned();
+        (rest, format!("{access:?}"))
+    };
+    assert_eq!(channel(&documented), channel(&minimal));
+    for kind in switchboard::surface::SurfaceKind::ALL {
+        assert_eq!(documented.surface(kind), minimal.surface(kind), "{kind}");
+    }
+}

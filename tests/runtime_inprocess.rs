@@ -211,6 +211,7 @@ async fn a_message_waiting_on_an_unreachable_runtime_gets_one_notice_and_is_answ
             input_policy: None,
             closes_conversation: false,
             migrates_to: None,
+            space: None,
             addressed: true,
             received_at: 0,
         }])

@@ -31,6 +31,7 @@ mod suite {
             input_policy: None,
             closes_conversation: false,
             migrates_to: None,
+            space: None,
             addressed: true,
             received_at: 1_000,
         }

@@ -77,6 +77,16 @@ pub trait JournalStore: Send + Sync {
 
     /// Counts per disposition (for `inbound list` summaries and metrics).
     async fn journal_counts(&self) -> StoreResult<Vec<(Disposition, i64)>>;
+
+    /// The account's open conversations whose latest update arrived at or
+    /// after `since`, newest first, at most `limit`, with that update's
+    /// platform message id (gap backfill after a reconnect).
+    async fn journal_recent_chats(
+        &self,
+        account: &str,
+        since: i64,
+        limit: usize,
+    ) -> StoreResult<Vec<RecentChat>>;
 }
 
 /// Durable runs of the built-in runtime.

@@ -140,6 +140,8 @@ pub struct NewInbound {
     pub chat_kind: ChatKind,
     /// `None` for chats without threads.
     pub thread_id: Option<String>,
+    /// The chat's space (a Discord guild), stored with its conversation.
+    pub space: Option<String>,
     pub surface: SurfaceKind,
     pub sender_id: Option<String>,
     pub sender_name: Option<String>,
@@ -189,6 +191,7 @@ pub struct InboundRow {
     pub chat_id: String,
     pub chat_kind: ChatKind,
     pub thread_id: Option<String>,
+    pub space: Option<String>,
     pub surface: SurfaceKind,
     pub sender_id: Option<String>,
     pub sender_name: Option<String>,
@@ -203,6 +206,15 @@ pub struct InboundRow {
     pub run_id: Option<String>,
     pub received_at: i64,
     pub settled_at: Option<i64>,
+}
+
+/// A chat with recent updates: what a channel re-reads after a gap.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecentChat {
+    pub chat_id: String,
+    pub thread_id: Option<String>,
+    pub last_message_id: Option<String>,
+    pub last_received_at: i64,
 }
 
 /// A journal row's admission by a runtime.

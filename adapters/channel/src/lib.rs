@@ -182,6 +182,9 @@ pub struct Envelope {
     pub chat_kind: ChatKind,
     /// Forum topic or thread; part of the conversation's identity.
     pub thread_id: Option<String>,
+    /// The space the chat belongs to (a Discord guild), for access
+    /// decisions; `None` where the platform has none.
+    pub space: Option<String>,
     pub sender: Option<Sender>,
     /// The platform message id of this update, so replies can reference it.
     pub message_id: Option<String>,
@@ -248,6 +251,29 @@ pub trait IngressSink: Send + Sync {
     fn report_status(&self, account: &str, status: AccountStatus) {
         let _ = (account, status);
     }
+
+    /// The account's chats with journaled updates received within `within`,
+    /// most recently active first, at most `limit`, each with the platform
+    /// message id of its latest journaled update: what a channel that cannot
+    /// replay missed events (Discord) fetches again after a gap.
+    async fn recent_chats(
+        &self,
+        account: &str,
+        within: Duration,
+        limit: usize,
+    ) -> Result<Vec<RecentChat>, IngressError> {
+        let _ = (account, within, limit);
+        Ok(Vec::new())
+    }
+}
+
+/// A chat with recent journaled updates ([`IngressSink::recent_chats`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecentChat {
+    pub chat_id: String,
+    pub thread_id: Option<String>,
+    /// The platform message id of the chat's latest journaled update.
+    pub last_message_id: Option<String>,
 }
 
 /// A channel account's connection to its platform, as its adapter sees it.

@@ -155,6 +155,7 @@ fn unsupported(
         chat_id: str_of(&chat["id"]).unwrap_or_else(|| "updates".to_owned()),
         chat_kind: chat_kind(chat).unwrap_or(ChatKind::Group),
         thread_id: None,
+        space: None,
         sender: None,
         message_id: None,
         content: Content::Unsupported {
@@ -244,6 +245,7 @@ fn message_envelope(bot: &BotContext, message: &Value, edit: bool) -> Envelope {
         chat_id,
         chat_kind: kind,
         thread_id: thread_of(message),
+        space: None,
         sender: sender_of(&message["from"]),
         message_id: Some(message_id),
         content: Content::Message {
@@ -305,6 +307,7 @@ pub fn convert(bot: &BotContext, update: &Value) -> (Envelope, Option<String>) {
             chat_id: str_of(&chat["id"]).unwrap_or_default(),
             chat_kind: kind,
             thread_id: thread_of(message),
+            space: None,
             sender: sender_of(&q["from"]),
             message_id: str_of(&message["message_id"]),
             content: Content::Message {

@@ -312,6 +312,7 @@ fn parse_update(account: &str, body: &[u8]) -> Result<Envelope, Problem> {
             .thread_id
             .map(Id::into_string)
             .filter(|t| !t.is_empty()),
+        space: None,
         sender: update.sender.map(|s| Sender {
             id: s.id.into_string(),
             name: s.name,

@@ -9,14 +9,14 @@ use super::outbox::insert_item;
 use super::{SqliteStore, bad_value, thread_from_db, thread_to_db};
 use crate::store::{
     Admitted, Disposition, InboundRow, JournalOutcome, JournalStore, NewInbound, NewOutboxItem,
-    StoreResult,
+    RecentChat, StoreResult,
 };
 use crate::surface::SurfaceKind;
 
 macro_rules! inbound_select {
     () => {
         "SELECT i.id, i.account, i.update_key, i.conversation_id, c.chat_id, c.chat_kind,
-                c.thread_id, c.surface, i.sender_id, i.sender_name, i.message_id, i.payload,
+                c.thread_id, c.space, c.surface, i.sender_id, i.sender_name, i.message_id, i.payload,
                 i.input_policy, i.addressed, i.disposition, i.reason, i.submission_key, i.run_id,
                 i.received_at, i.settled_at
          FROM inbound i JOIN conversations c ON c.id = i.conversation_id "
@@ -31,6 +31,15 @@ pub(super) const PENDING: &str = concat!(
     inbound_select!(),
     "WHERE i.disposition = 'pending' ORDER BY i.id LIMIT ?"
 );
+// Not a per-message path: it runs once per gateway session. It reads the
+// account's open conversations through conversations_current and one row
+// each through inbound_by_conversation, then sorts them (a temporary B-tree
+// over open conversations, not over history).
+pub(super) const RECENT_CHATS: &str = "SELECT c.chat_id, c.thread_id, i.message_id, i.received_at
+     FROM conversations c
+     JOIN inbound i ON i.id = (SELECT id FROM inbound WHERE conversation_id = c.id ORDER BY id DESC LIMIT 1)
+     WHERE c.account = ?1 AND c.closed_at IS NULL AND i.received_at >= ?2
+     ORDER BY i.received_at DESC LIMIT ?3";
 pub(super) const ADMIT: &str =
     "UPDATE inbound SET disposition = 'admitted', run_id = ?, settled_at = ?
      WHERE id = ? AND disposition = 'pending'";
@@ -48,6 +57,7 @@ fn inbound_from_row(row: &SqliteRow) -> StoreResult<InboundRow> {
         chat_id: row.try_get("chat_id")?,
         chat_kind: ChatKind::parse(&chat_kind).ok_or_else(|| bad_value("chat_kind", &chat_kind))?,
         thread_id: thread_from_db(row.try_get("thread_id")?),
+        space: row.try_get("space")?,
         surface: SurfaceKind::parse(&surface).ok_or_else(|| bad_value("surface", &surface))?,
         sender_id: row.try_get("sender_id")?,
         sender_name: row.try_get("sender_name")?,
@@ -141,8 +151,8 @@ impl JournalStore for SqliteStore {
                 Some(id) => id,
                 None => {
                     sqlx::query_scalar(
-                        "INSERT INTO conversations (account, chat_id, thread_id, chat_kind, surface, created_at)
-                         VALUES (?, ?, ?, ?, ?, ?) RETURNING id",
+                        "INSERT INTO conversations (account, chat_id, thread_id, chat_kind, surface, created_at, space)
+                         VALUES (?, ?, ?, ?, ?, ?, ?) RETURNING id",
                     )
                     .bind(&item.account)
                     .bind(&item.chat_id)
@@ -150,6 +160,7 @@ impl JournalStore for SqliteStore {
                     .bind(item.chat_kind.as_str())
                     .bind(item.surface.as_str())
                     .bind(item.received_at)
+                    .bind(&item.space)
                     .fetch_one(&mut *tx)
                     .await?
                 }
@@ -280,6 +291,32 @@ impl JournalStore for SqliteStore {
             }
         };
         rows.iter().map(inbound_from_row).collect()
+    }
+
+    async fn journal_recent_chats(
+        &self,
+        account: &str,
+        since: i64,
+        limit: usize,
+    ) -> StoreResult<Vec<RecentChat>> {
+        // One index probe per open conversation of the account (the latest
+        // row through inbound_by_conversation); the newest first.
+        let rows = sqlx::query(RECENT_CHATS)
+            .bind(account)
+            .bind(since)
+            .bind(limit as i64)
+            .fetch_all(&self.reader)
+            .await?;
+        rows.iter()
+            .map(|row| {
+                Ok(RecentChat {
+                    chat_id: row.try_get("chat_id")?,
+                    thread_id: thread_from_db(row.try_get("thread_id")?),
+                    last_message_id: row.try_get("message_id")?,
+                    last_received_at: row.try_get("received_at")?,
+                })
+            })
+            .collect()
     }
 
     async fn journal_counts(&self) -> StoreResult<Vec<(Disposition, i64)>> {

@@ -68,6 +68,11 @@ pub const INTENT_GUILD_MESSAGES: u64 = 1 << 9;
 pub const INTENT_DIRECT_MESSAGES: u64 = 1 << 12;
 pub const INTENT_MESSAGE_CONTENT: u64 = 1 << 15;
 
+/// Application flags: the Message Content intent, for verified bots and
+/// (limited) for bots in fewer than 100 servers.
+pub const APP_FLAG_MESSAGE_CONTENT: u64 = 1 << 18;
+pub const APP_FLAG_MESSAGE_CONTENT_LIMITED: u64 = 1 << 19;
+
 const API_PREFIX: &str = "/api/v10";
 const MAX_CONTENT_CHARS: usize = 2000;
 const MAX_NONCE_CHARS: usize = 25;
@@ -480,6 +485,7 @@ struct Inner {
     port: u16,
     heartbeat_interval_ms: u64,
     recommended_shards: u32,
+    application_flags: u64,
     nonce_window: Duration,
     rate_limit: u32,
     rate_window: Duration,
@@ -618,6 +624,7 @@ impl Inner {
             port,
             heartbeat_interval_ms: DEFAULT_HEARTBEAT_INTERVAL_MS,
             recommended_shards: 1,
+            application_flags: APP_FLAG_MESSAGE_CONTENT_LIMITED,
             nonce_window: Duration::from_secs(300),
             rate_limit: 5,
             rate_window: Duration::from_secs(5),
@@ -1017,6 +1024,15 @@ impl Inner {
             self.send(conn, Out::Close(4013, "Invalid intent(s).".into()));
             return;
         };
+        // A privileged intent the application was not granted.
+        if intents & INTENT_MESSAGE_CONTENT != 0
+            && self.application_flags
+                & (APP_FLAG_MESSAGE_CONTENT | APP_FLAG_MESSAGE_CONTENT_LIMITED)
+                == 0
+        {
+            self.send(conn, Out::Close(4014, "Disallowed intent(s).".into()));
+            return;
+        }
 
         // A new IDENTIFY replaces an earlier session of the same bot and shard.
         let replaced: Vec<Option<u64>> = self
@@ -1321,7 +1337,7 @@ impl Inner {
                 "bot_public": true,
                 "bot_require_code_grant": false,
                 "verify_key": "0".repeat(64),
-                "flags": 0,
+                "flags": self.application_flags,
                 "owner": self.user_value(OWNER_ID),
                 "team": null,
                 "bot": self.user_value(bot.user_id),
@@ -2229,6 +2245,14 @@ impl FakeDiscord {
     /// The heartbeat interval announced in later HELLOs.
     pub fn set_heartbeat_interval(&self, ms: u64) {
         self.lock().heartbeat_interval_ms = ms;
+    }
+
+    /// The application's `flags` (default: the Message Content intent is
+    /// enabled, `APP_FLAG_MESSAGE_CONTENT_LIMITED`). Without a message
+    /// content flag, an IDENTIFY asking for `MESSAGE_CONTENT` is closed with
+    /// 4014, as Discord does.
+    pub fn set_application_flags(&self, flags: u64) {
+        self.lock().application_flags = flags;
     }
 
     /// `shards` in `GET /gateway/bot` (default 1).
