@@ -43,13 +43,17 @@ pub struct AdminState {
     pub config: Arc<crate::config::Config>,
     /// Woken when a schedule is added.
     pub scheduler_wake: Arc<tokio::sync::Notify>,
+    /// `admin.token`, when set.
+    pub token: Option<String>,
+    /// The runtimes, for readiness.
+    pub runtimes: Vec<Arc<dyn crate::runtime::Runtime>>,
     /// Channel adapters by configured account name (attachment downloads).
     pub adapters: std::collections::HashMap<String, Arc<dyn switchboard_channel::ChannelAdapter>>,
 }
 
 pub fn router(state: AdminState) -> Router {
-    Router::new()
-        .route("/healthz", get(|| async { "ok\n" }))
+    let token = state.token.clone();
+    let guarded = Router::new()
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .route("/v1/attachments/{account}", get(attachment))
@@ -60,6 +64,44 @@ pub fn router(state: AdminState) -> Router {
         .route("/v1/schedules/{id}", get(schedule_show))
         .route("/v1/schedules/{id}/{verb}", post(schedule_transition))
         .with_state(state)
+        .layer(axum::middleware::from_fn(move |request, next| {
+            let token = token.clone();
+            async move { require_token(token.as_deref(), request, next).await }
+        }));
+    Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .merge(guarded)
+}
+
+/// With `admin.token` set, every route but `/healthz` needs
+/// `Authorization: Bearer TOKEN` (compared in constant time).
+async fn require_token(
+    token: Option<&str>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let Some(token) = token else {
+        return next.run(request).await;
+    };
+    let given = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or_default();
+    if bool::from(subtle::ConstantTimeEq::ct_eq(
+        given.as_bytes(),
+        token.as_bytes(),
+    )) {
+        next.run(request).await
+    } else {
+        (
+            StatusCode::UNAUTHORIZED,
+            [(header::WWW_AUTHENTICATE, "Bearer")],
+            "this admin API needs Authorization: Bearer <admin.token>\n",
+        )
+            .into_response()
+    }
 }
 
 #[derive(Deserialize)]
@@ -94,15 +136,32 @@ async fn attachment(
     }
 }
 
+/// Ready when the store answers, every channel account receives updates
+/// and every runtime can take work; 503 with the reasons otherwise.
 async fn readyz(State(state): State<AdminState>) -> Response {
     let channels = state.observer.channel_states();
-    let ready = channels.values().all(|c| c.state == "up");
+    let store = match state.store.ping().await {
+        Ok(()) => json!({"state": "up"}),
+        Err(e) => json!({"state": "down", "detail": e.to_string()}),
+    };
+    let mut runtimes = serde_json::Map::new();
+    for runtime in &state.runtimes {
+        let health = match runtime.health().await {
+            Ok(()) => json!({"state": "up"}),
+            Err(e) => json!({"state": "down", "detail": e}),
+        };
+        runtimes.insert(runtime.name().to_owned(), health);
+    }
+    let ready = store["state"] == "up"
+        && channels.values().all(|c| c.state == "up")
+        && runtimes.values().all(|r| r["state"] == "up");
     let status = if ready {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
-    (status, Json(json!({"ready": ready, "channels": channels}))).into_response()
+    let body = json!({"ready": ready, "store": store, "channels": channels, "runtimes": runtimes});
+    (status, Json(body)).into_response()
 }
 
 fn problem(status: StatusCode, message: impl Into<String>) -> Response {

@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::Deserialize;
@@ -59,6 +60,135 @@ pub struct Config {
     /// Durable user schedules (reminders, recurring prompts).
     #[serde(default)]
     pub scheduler: SchedulerConfig,
+    /// How long personal data is kept.
+    #[serde(default)]
+    pub retention: RetentionConfig,
+    /// The settings SIGHUP can change while the daemon runs, shared by
+    /// every clone of this config (see [`LivePolicies`]).
+    #[serde(skip)]
+    pub live: LivePolicies,
+}
+
+/// How long what users said is kept (`[retention]`). Message text is
+/// personal data: it goes first; the keys that deduplicate redeliveries
+/// stay longer.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetentionConfig {
+    /// Run the pruning worker.
+    #[serde(default = "default_true")]
+    pub enabled: bool,
+    /// Days before the text and sender name of a settled journal row are
+    /// erased (its key and disposition stay).
+    #[serde(default = "default_payload_days")]
+    pub payload_days: u64,
+    /// Days before a journal row is deleted (at least 7: platforms redeliver
+    /// for up to a day, and the key must still deduplicate).
+    #[serde(default = "default_journal_days")]
+    pub journal_days: u64,
+    /// Days before an acknowledged, failed or dropped reply is deleted.
+    #[serde(default = "default_payload_days")]
+    pub outbox_days: u64,
+    /// Days before a finished run (its prompt, answer, inputs, events) is
+    /// deleted; older turns then leave the conversation's history.
+    #[serde(default = "default_payload_days")]
+    pub runs_days: u64,
+    /// Minutes between pruning rounds.
+    #[serde(default = "default_retention_interval")]
+    pub interval_minutes: u64,
+    /// Rows per kind and transaction; a round repeats until a pass finds
+    /// less than this.
+    #[serde(default = "default_retention_batch")]
+    pub batch_size: usize,
+}
+
+impl Default for RetentionConfig {
+    fn default() -> Self {
+        RetentionConfig {
+            enabled: true,
+            payload_days: default_payload_days(),
+            journal_days: default_journal_days(),
+            outbox_days: default_payload_days(),
+            runs_days: default_payload_days(),
+            interval_minutes: default_retention_interval(),
+            batch_size: default_retention_batch(),
+        }
+    }
+}
+
+fn default_payload_days() -> u64 {
+    30
+}
+
+fn default_journal_days() -> u64 {
+    90
+}
+
+fn default_retention_interval() -> u64 {
+    60
+}
+
+fn default_retention_batch() -> usize {
+    500
+}
+
+/// What a reload (SIGHUP) can change without a restart: surface settings
+/// (global, per account, per chat) and access lists. Every clone of a
+/// [`Config`] shares them, so the parts that read them see a reload at once.
+#[derive(Clone, Default)]
+pub struct LivePolicies(Arc<arc_swap::ArcSwap<PolicySet>>);
+
+impl fmt::Debug for LivePolicies {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("LivePolicies")
+    }
+}
+
+/// The reloadable settings of one config file.
+#[derive(Debug, Default, Clone)]
+pub struct PolicySet {
+    pub surfaces: BTreeMap<String, SurfaceSettings>,
+    pub channels: BTreeMap<String, ChannelPolicy>,
+}
+
+/// One channel account's reloadable settings.
+#[derive(Debug, Default, Clone)]
+pub struct ChannelPolicy {
+    pub surfaces: BTreeMap<String, SurfaceSettings>,
+    pub chats: BTreeMap<String, SurfaceSettings>,
+    pub access: AccessConfig,
+}
+
+impl PolicySet {
+    fn of(config: &Config) -> PolicySet {
+        PolicySet {
+            surfaces: config.surfaces.clone(),
+            channels: config
+                .channels
+                .iter()
+                .map(|(name, channel)| {
+                    let overrides = channel.overrides();
+                    (
+                        name.clone(),
+                        ChannelPolicy {
+                            surfaces: overrides.surfaces.clone(),
+                            chats: overrides.chats.clone(),
+                            access: channel.access().clone(),
+                        },
+                    )
+                })
+                .collect(),
+        }
+    }
+}
+
+/// What a reload did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct ReloadReport {
+    /// Keys whose new values are in effect.
+    pub applied: Vec<String>,
+    /// Keys that changed in the file but only take effect after a restart.
+    pub needs_restart: Vec<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -219,6 +349,26 @@ pub struct AdminConfig {
     /// from a platform, in bytes.
     #[serde(default = "default_max_attachment_bytes")]
     pub max_attachment_bytes: u64,
+    /// Bearer token every admin request but `/healthz` must carry
+    /// (`Authorization: Bearer TOKEN`). Required when `listen` is not a
+    /// loopback address. Prefer `token_file` or `SWITCHBOARD__ADMIN__TOKEN`.
+    #[serde(default)]
+    pub token: Option<String>,
+    /// A file holding the admin token (relative paths are looked up in
+    /// `$CREDENTIALS_DIRECTORY` when set).
+    #[serde(default)]
+    pub token_file: Option<PathBuf>,
+}
+
+impl AdminConfig {
+    /// The bearer token, from `token` or `token_file`.
+    pub fn resolve_token(&self) -> Result<Option<String>, String> {
+        match (&self.token, &self.token_file) {
+            (Some(t), _) => Ok(Some(t.clone())),
+            (None, Some(path)) => read_secret_file(path).map(Some),
+            (None, None) => Ok(None),
+        }
+    }
 }
 
 impl Default for AdminConfig {
@@ -226,6 +376,8 @@ impl Default for AdminConfig {
         AdminConfig {
             listen: default_admin_listen(),
             max_attachment_bytes: default_max_attachment_bytes(),
+            token: None,
+            token_file: None,
         }
     }
 }
@@ -934,6 +1086,13 @@ pub struct WebhookChannelConfig {
     /// words; code fences closed and reopened).
     #[serde(default = "default_max_reply_chars")]
     pub max_reply_chars: usize,
+    /// Key for signing reply callbacks (HMAC-SHA256 over the timestamp and
+    /// the body, in `X-Switchboard-Signature`); unset: unsigned. Prefer
+    /// `callback_signing_secret_file` or the environment.
+    #[serde(default)]
+    pub callback_signing_secret: Option<String>,
+    #[serde(default)]
+    pub callback_signing_secret_file: Option<PathBuf>,
     /// Surface settings for this account only, by surface name.
     #[serde(default)]
     pub surfaces: BTreeMap<String, SurfaceSettings>,
@@ -1155,7 +1314,7 @@ impl Config {
         })?;
         let problems = config.validate();
         if problems.is_empty() {
-            Ok(config)
+            Ok(config.publish())
         } else {
             Err(ConfigError::Invalid {
                 path: shown,
@@ -1179,7 +1338,7 @@ impl Config {
         })?;
         let problems = config.validate();
         if problems.is_empty() {
-            Ok(config)
+            Ok(config.publish())
         } else {
             Err(ConfigError::Invalid {
                 path: "<string>".into(),
@@ -1203,8 +1362,45 @@ impl Config {
         if let Err(e) = parse_listen(&self.server.listen) {
             problem("server.listen".into(), e);
         }
-        if let Err(e) = parse_listen(&self.admin.listen) {
-            problem("admin.listen".into(), e);
+        match parse_listen(&self.admin.listen) {
+            Err(e) => problem("admin.listen".into(), e),
+            Ok(addr)
+                if !addr.ip().is_loopback()
+                    && self.admin.token.is_none()
+                    && self.admin.token_file.is_none() =>
+            {
+                problem(
+                    "admin.listen".into(),
+                    format!(
+                        "{addr} is reachable from other machines, and the admin API can resolve held replies and read every message: set admin.token_file (or SWITCHBOARD__ADMIN__TOKEN) to require a bearer token, or listen on 127.0.0.1"
+                    ),
+                )
+            }
+            Ok(_) => {}
+        }
+        if matches!(&self.admin.token, Some(t) if t.len() < 16) {
+            problem(
+                "admin.token".into(),
+                "is shorter than 16 characters; use a long random string (e.g. `openssl rand -hex 32`)".into(),
+            );
+        }
+        if self.retention.journal_days < 7 {
+            problem(
+                "retention.journal_days".into(),
+                "must be at least 7: journal keys deduplicate platform redeliveries, which can come a day late (Telegram keeps updates 24 h)".into(),
+            );
+        }
+        if self.retention.payload_days > self.retention.journal_days {
+            problem(
+                "retention.payload_days".into(),
+                "is longer than retention.journal_days; payloads go with their rows, so it would have no effect".into(),
+            );
+        }
+        if self.retention.interval_minutes == 0 || self.retention.batch_size == 0 {
+            problem(
+                "retention.interval_minutes".into(),
+                "retention.interval_minutes and retention.batch_size must be at least 1".into(),
+            );
         }
         if self.server.body_limit < 1024 {
             problem(
@@ -1429,7 +1625,8 @@ impl Config {
 
     /// The settings of a surface: built-in defaults, then `[surfaces.NAME]`.
     pub fn surface(&self, kind: SurfaceKind) -> ResolvedSurface {
-        let configured = self
+        let live = self.live.0.load();
+        let configured = live
             .surfaces
             .get(kind.as_str())
             .cloned()
@@ -1441,21 +1638,163 @@ impl Config {
     /// then the account's `[channels.ACCOUNT.surfaces.NAME]`, then its
     /// `[channels.ACCOUNT.chats."CHAT"]`.
     pub fn surface_for(&self, account: &str, kind: SurfaceKind, chat_id: &str) -> ResolvedSurface {
-        let mut settings = self
+        let live = self.live.0.load();
+        let mut settings = live
             .surfaces
             .get(kind.as_str())
             .cloned()
             .unwrap_or_default();
-        if let Some(channel) = self.channels.get(account) {
-            let overrides = channel.overrides();
-            if let Some(s) = overrides.surfaces.get(kind.as_str()) {
+        if let Some(channel) = live.channels.get(account) {
+            if let Some(s) = channel.surfaces.get(kind.as_str()) {
                 settings = settings.overlay(s);
             }
-            if let Some(s) = overrides.chats.get(chat_id) {
+            if let Some(s) = channel.chats.get(chat_id) {
                 settings = settings.overlay(s);
             }
         }
         ResolvedSurface::resolve(kind, &settings)
+    }
+
+    /// A channel account's access rules as they are now (SIGHUP reloads
+    /// them).
+    pub fn access_for(&self, account: &str) -> Option<AccessConfig> {
+        self.live
+            .0
+            .load()
+            .channels
+            .get(account)
+            .map(|c| c.access.clone())
+    }
+
+    /// Make this config's reloadable settings the live ones (done by
+    /// [`Config::load`] and [`Config::from_toml`]).
+    fn publish(self) -> Config {
+        self.live.0.store(Arc::new(PolicySet::of(&self)));
+        self
+    }
+
+    /// Apply what can change without a restart from `new` (a freshly loaded
+    /// file) and name what cannot. Only the reloadable parts of `self`
+    /// change; everything else keeps running as it started.
+    pub fn reload_from(&self, new: &Config) -> ReloadReport {
+        let mut report = ReloadReport::default();
+        let old = self.live.0.load_full();
+        let next = PolicySet::of(new);
+        let differs = |a: &dyn fmt::Debug, b: &dyn fmt::Debug| format!("{a:?}") != format!("{b:?}");
+        for name in old.surfaces.keys().chain(next.surfaces.keys()) {
+            if differs(&old.surfaces.get(name), &next.surfaces.get(name))
+                && !report.applied.contains(&format!("surfaces.{name}"))
+            {
+                report.applied.push(format!("surfaces.{name}"));
+            }
+        }
+        for (name, channel) in &next.channels {
+            let Some(before) = old.channels.get(name) else {
+                continue;
+            };
+            for (key, a, b) in [
+                (
+                    "surfaces",
+                    &before.surfaces as &dyn fmt::Debug,
+                    &channel.surfaces as &dyn fmt::Debug,
+                ),
+                ("chats", &before.chats, &channel.chats),
+                ("access", &before.access, &channel.access),
+            ] {
+                if differs(a, b) {
+                    report.applied.push(format!("channels.{name}.{key}"));
+                }
+            }
+        }
+        // Everything else needs a restart; channels are compared without
+        // their reloadable parts.
+        let strip = |c: &ChannelConfig| {
+            let text = format!("{c:?}");
+            text.split("surfaces:")
+                .next()
+                .unwrap_or_default()
+                .to_owned()
+        };
+        let sections: [(&str, String, String); 10] = [
+            (
+                "retention",
+                format!("{:?}", self.retention),
+                format!("{:?}", new.retention),
+            ),
+            (
+                "store",
+                format!("{:?}", self.store),
+                format!("{:?}", new.store),
+            ),
+            (
+                "server",
+                format!("{:?}", self.server),
+                format!("{:?}", new.server),
+            ),
+            (
+                "admin",
+                format!("{:?}", self.admin),
+                format!("{:?}", new.admin),
+            ),
+            (
+                "runtimes",
+                format!("{:?}", self.runtimes),
+                format!("{:?}", new.runtimes),
+            ),
+            (
+                "outbox",
+                format!("{:?}", self.outbox),
+                format!("{:?}", new.outbox),
+            ),
+            (
+                "submitter",
+                format!("{:?}", self.submitter),
+                format!("{:?}", new.submitter),
+            ),
+            (
+                "shutdown",
+                format!("{:?}", self.shutdown),
+                format!("{:?}", new.shutdown),
+            ),
+            (
+                "messages",
+                format!("{:?}", self.messages),
+                format!("{:?}", new.messages),
+            ),
+            (
+                "scheduler",
+                format!("{:?}", self.scheduler),
+                format!("{:?}", new.scheduler),
+            ),
+        ];
+        for (key, a, b) in sections {
+            if a != b {
+                report.needs_restart.push(key.to_owned());
+            }
+        }
+        for name in self.channels.keys().chain(new.channels.keys()) {
+            let changed = match (self.channels.get(name), new.channels.get(name)) {
+                (Some(a), Some(b)) => strip(a) != strip(b),
+                _ => true,
+            };
+            let key = format!("channels.{name}");
+            if changed && !report.needs_restart.contains(&key) {
+                report.needs_restart.push(key);
+            }
+        }
+        // Accounts that only exist after a restart get their policies then.
+        let mut applied = next;
+        applied
+            .channels
+            .retain(|name, _| self.channels.contains_key(name));
+        for (name, policy) in &old.channels {
+            applied
+                .channels
+                .entry(name.clone())
+                .or_insert_with(|| policy.clone());
+        }
+        self.live.0.store(Arc::new(applied));
+        report
     }
 }
 
@@ -1724,6 +2063,18 @@ impl WebhookChannelConfig {
     /// The shared secret, from `secret` or `secret_file`.
     pub fn resolve_secret(&self) -> Result<Option<String>, String> {
         match (&self.secret, &self.secret_file) {
+            (Some(s), _) => Ok(Some(s.clone())),
+            (None, Some(path)) => read_secret_file(path).map(Some),
+            (None, None) => Ok(None),
+        }
+    }
+
+    /// The callback signing key, from the key or its file.
+    pub fn resolve_signing_secret(&self) -> Result<Option<String>, String> {
+        match (
+            &self.callback_signing_secret,
+            &self.callback_signing_secret_file,
+        ) {
             (Some(s), _) => Ok(Some(s.clone())),
             (None, Some(path)) => read_secret_file(path).map(Some),
             (None, None) => Ok(None),

@@ -11,7 +11,6 @@
 //! stays `possibly_dispatched` for the next start.
 
 use std::collections::HashMap;
-use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -26,7 +25,6 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::access::Access;
 use crate::clock::{SharedClock, SystemClock};
 use crate::config::{ChannelConfig, Config, RuntimeConfig, parse_listen};
 use crate::ingress::{AccountInfo, Ingress};
@@ -61,6 +59,8 @@ pub struct Daemon {
     /// Stops the platform connections (Telegram polling).
     channels_stop: CancellationToken,
     channel_tasks: Vec<JoinHandle<()>>,
+    /// Periodic housekeeping (retention).
+    housekeeping: Option<tokio_cron_scheduler::JobScheduler>,
     /// Stops the submitter and the reconciler.
     workers_stop: CancellationToken,
     submitter: JoinHandle<()>,
@@ -123,7 +123,10 @@ impl Daemon {
                         w.callback_timeout(),
                         w.max_reply_chars,
                     )
-                    .with_context(|| format!("building the HTTP client of channels.{name}"))?;
+                    .with_context(|| format!("building the HTTP client of channels.{name}"))?
+                    .signed(w.resolve_signing_secret().map_err(|e| {
+                        anyhow::anyhow!("channels.{name}.callback_signing_secret_file: {e}")
+                    })?);
                     adapters.insert(identity.clone(), Arc::new(sender));
                     webhook_accounts.insert(name.clone(), IngressAccount { secret });
                     account_names.insert(identity.clone(), (name.clone(), w.runtime.clone()));
@@ -245,6 +248,11 @@ impl Daemon {
             clock: clock.clone(),
             config: config.clone(),
             scheduler_wake: scheduler_wake.clone(),
+            runtimes: runtimes.values().cloned().collect(),
+            token: config
+                .admin
+                .resolve_token()
+                .map_err(|e| anyhow::anyhow!("admin.token_file: {e}"))?,
             adapters: adapters
                 .iter()
                 .filter_map(|(identity, adapter)| {
@@ -337,12 +345,7 @@ impl Daemon {
             scheduler_wake: scheduler_wake.clone(),
             access: accounts_registered
                 .iter()
-                .filter_map(|a| {
-                    config
-                        .channels
-                        .get(&a.name)
-                        .map(|c| (a.identity.clone(), Access::resolve(c.access(), a.platform)))
-                })
+                .map(|a| (a.identity.clone(), a.platform))
                 .collect(),
         };
 
@@ -411,6 +414,15 @@ impl Daemon {
             })
         };
 
+        let housekeeping = crate::retention::start(
+            store.clone(),
+            config.retention.clone(),
+            clock.clone(),
+            observer.clone(),
+        )
+        .await
+        .map_err(anyhow::Error::msg)?;
+
         // Platform connections last: updates may flow from here on.
         let channels_stop = CancellationToken::new();
         let mut channel_tasks: Vec<JoinHandle<()>> = telegram
@@ -447,6 +459,7 @@ impl Daemon {
             listeners,
             channels_stop,
             channel_tasks,
+            housekeeping,
             workers_stop,
             submitter,
             reconciler,
@@ -457,8 +470,27 @@ impl Daemon {
         })
     }
 
+    /// Apply the reloadable parts of a freshly loaded config (SIGHUP):
+    /// surface settings and access lists take effect at once; the report
+    /// names what needs a restart.
+    pub fn reload(&self, new: &Config) -> crate::config::ReloadReport {
+        self.config.reload_from(new)
+    }
+
+    /// One line for the service manager's STATUS.
+    pub fn status_line(&self) -> String {
+        let channels = self.observer.channel_states();
+        let up = channels.values().filter(|c| c.state == "up").count();
+        format!(
+            "ready: {up}/{} channel accounts up, store {}, admin on {}",
+            channels.len().max(self.config.channels.len()),
+            self.store.describe(),
+            self.admin_addr
+        )
+    }
+
     /// Stop in order within the configured grace and force timeouts.
-    pub async fn shutdown(self) -> ShutdownReport {
+    pub async fn shutdown(mut self) -> ShutdownReport {
         let started = Instant::now();
         let grace = Duration::from_secs(self.config.shutdown.grace_secs);
         let force = Duration::from_secs(self.config.shutdown.force_secs);
@@ -475,6 +507,9 @@ impl Daemon {
             let _ = tokio::time::timeout(Duration::from_secs(2), task).await;
         }
         self.workers_stop.cancel();
+        if let Some(mut housekeeping) = self.housekeeping.take() {
+            let _ = housekeeping.shutdown().await;
+        }
         let _ = self.submitter.await;
         let _ = self.reconciler.await;
         let _ = self.scheduler.await;
@@ -520,16 +555,6 @@ impl Daemon {
         }
         report
     }
-}
-
-/// Run until `shutdown` resolves, then stop in order.
-pub async fn run(
-    config: Config,
-    shutdown: impl Future<Output = ()>,
-) -> anyhow::Result<ShutdownReport> {
-    let daemon = Daemon::start(config).await?;
-    shutdown.await;
-    Ok(daemon.shutdown().await)
 }
 
 fn spawn_server(

@@ -71,6 +71,27 @@ enum Command {
         #[command(subcommand)]
         command: PairCommand,
     },
+    /// Remove personal data on request.
+    Purge {
+        #[command(subcommand)]
+        command: PurgeCommand,
+    },
+    /// Check the config, the store, each channel's token, the runtimes, the
+    /// admin bind and secret file permissions; exit 1 when something fails.
+    Doctor(ConfigArg),
+}
+
+#[derive(Subcommand)]
+enum PurgeCommand {
+    /// Remove one conversation's messages, runs and replies in one
+    /// transaction. Its journal keys stay as tombstones, so a late
+    /// redelivery cannot recreate it. Refused while a run of it is active.
+    Conversation {
+        #[command(flatten)]
+        config: ConfigArg,
+        /// The conversation id (`switchboard inbound list` shows it).
+        id: i64,
+    },
 }
 
 #[derive(Subcommand)]
@@ -277,15 +298,8 @@ async fn dispatch(command: Command) -> ExitCode {
                 Ok(c) => c,
                 Err(code) => return code,
             };
-            init_logging(&config.log.level, config.log.format);
-            match switchboard::daemon::run(config, shutdown_signal()).await {
-                Ok(_) => ExitCode::SUCCESS,
-                Err(e) => {
-                    tracing::error!(error = format!("{e:#}"), "switchboard stopped");
-                    eprintln!("switchboard: {e:#}");
-                    ExitCode::FAILURE
-                }
-            }
+            let log = init_logging(&config.log.level, config.log.format);
+            run_daemon(config, &args.config, log).await
         }
         Command::Check(args) => match load(&args) {
             Ok(config) => {
@@ -426,6 +440,44 @@ async fn dispatch(command: Command) -> ExitCode {
         }
         Command::Schedule { command } => schedule_command(command).await,
         Command::Pair { command } => pair_command(command).await,
+        Command::Purge {
+            command: PurgeCommand::Conversation { config, id },
+        } => {
+            let store = match open_store(&config).await {
+                Ok(s) => s,
+                Err(code) => return code,
+            };
+            let now = switchboard::clock::Clock::now_ms(&switchboard::clock::SystemClock);
+            let outcome = store.purge_conversation(id, now).await;
+            store.close().await;
+            match outcome {
+                Ok(store::PurgeOutcome::Purged {
+                    inbound,
+                    runs,
+                    outbox,
+                }) => {
+                    println!(
+                        "conversation {id} purged: {inbound} journal rows kept as key-only tombstones, {runs} runs and {outbox} replies removed"
+                    );
+                    ExitCode::SUCCESS
+                }
+                Ok(store::PurgeOutcome::NotFound) => {
+                    eprintln!(
+                        "switchboard: no conversation {id}; `switchboard inbound list` shows conversation ids"
+                    );
+                    ExitCode::from(2)
+                }
+                Ok(store::PurgeOutcome::Busy(why)) => {
+                    eprintln!("switchboard: not purged: {why}");
+                    ExitCode::from(3)
+                }
+                Err(e) => fail(e),
+            }
+        }
+        Command::Doctor(args) => match switchboard::doctor::run(&args.config).await {
+            true => ExitCode::SUCCESS,
+            false => ExitCode::FAILURE,
+        },
         Command::Runs {
             command:
                 RunsCommand::List {
@@ -746,46 +798,136 @@ fn fail(e: impl std::fmt::Display) -> ExitCode {
     ExitCode::FAILURE
 }
 
-fn init_logging(level: &str, format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .or_else(|_| tracing_subscriber::EnvFilter::try_new(level))
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
+fn init_logging(level: &str, format: LogFormat) -> LogReload {
+    use tracing_subscriber::Layer;
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    let from_env = tracing_subscriber::EnvFilter::try_from_default_env().ok();
+    let overridden = from_env.is_some();
+    let filter = from_env
+        .or_else(|| tracing_subscriber::EnvFilter::try_new(level).ok())
+        .unwrap_or_else(|| tracing_subscriber::EnvFilter::new("info"));
+    let (filter, handle) = tracing_subscriber::reload::Layer::new(filter);
+    // Under systemd, stderr goes to the journal, which adds its own time
+    // stamps and shows no colours.
+    let journald = std::env::var_os("JOURNAL_STREAM").is_some();
+    let output = match format {
+        LogFormat::Text if journald => tracing_subscriber::fmt::layer()
+            .with_writer(std::io::stderr)
+            .with_ansi(false)
+            .without_time()
+            .boxed(),
+        LogFormat::Text => tracing_subscriber::fmt::layer()
+            .with_writer(std::io::stderr)
+            .boxed(),
+        LogFormat::Json => tracing_subscriber::fmt::layer()
+            .with_writer(std::io::stderr)
+            .json()
+            .boxed(),
+    };
+    tracing_subscriber::registry()
+        .with(filter)
+        .with(output)
+        .init();
+    LogReload {
+        level: level.to_owned(),
+        handle: (!overridden).then_some(handle),
     }
 }
 
-/// Resolves on the first SIGTERM or SIGINT. A second one exits at once.
-async fn shutdown_signal() {
+/// Run the daemon until SIGTERM or SIGINT (a second one exits at once);
+/// SIGHUP reloads what can be reloaded.
+async fn run_daemon(config: Config, path: &std::path::Path, mut log: LogReload) -> ExitCode {
+    use switchboard::systemd;
     let mut signals = match signal_hook_tokio::Signals::new([SIGTERM, SIGINT, SIGHUP]) {
         Ok(s) => s,
+        Err(e) => return fail(format!("cannot listen for signals: {e}")),
+    };
+    systemd::status("starting: opening the store");
+    let daemon = match switchboard::daemon::Daemon::start(config).await {
+        Ok(d) => d,
         Err(e) => {
-            tracing::error!(error = %e, "cannot listen for signals; stop with SIGKILL");
-            std::future::pending::<()>().await;
-            return;
+            tracing::error!(error = format!("{e:#}"), "switchboard could not start");
+            eprintln!("switchboard: {e:#}");
+            return ExitCode::FAILURE;
         }
     };
+    systemd::ready(&daemon.status_line());
+    let watchdog_stop = tokio_util::sync::CancellationToken::new();
+    let watchdog = systemd::spawn_watchdog(daemon.observer.clone(), watchdog_stop.clone());
     while let Some(signal) = signals.next().await {
-        match signal {
-            SIGHUP => tracing::info!(
-                "SIGHUP: configuration reload is not supported yet; restart to apply changes"
-            ),
-            _ => {
-                tracing::info!(signal, "stop requested");
-                tokio::spawn(async move {
-                    while let Some(signal) = signals.next().await {
-                        if signal != SIGHUP {
-                            tracing::warn!(signal, "second stop request: exiting now");
-                            std::process::exit(1);
+        if signal != SIGHUP {
+            tracing::info!(signal, "stop requested");
+            break;
+        }
+        tracing::info!(path = %path.display(), "SIGHUP: reloading the configuration");
+        match Config::load(path) {
+            Ok(new) => {
+                let mut report = daemon.reload(&new);
+                if new.log.level != log.level {
+                    match log.set(&new.log.level) {
+                        Ok(()) => {
+                            report.applied.push("log.level".into());
+                            log.level = new.log.level.clone();
                         }
+                        Err(e) => tracing::warn!(error = %e, "log.level not changed"),
                     }
-                });
-                return;
+                }
+                tracing::info!(
+                    applied = ?report.applied,
+                    needs_restart = ?report.needs_restart,
+                    "configuration reloaded"
+                );
+                if !report.needs_restart.is_empty() {
+                    tracing::warn!(keys = ?report.needs_restart, "these changes take effect only after a restart");
+                }
+                systemd::status(&daemon.status_line());
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "the new configuration is not valid; keeping the running one");
             }
         }
+    }
+    systemd::stopping("stopping: ingress closed, finishing runs and sends");
+    watchdog_stop.cancel();
+    if let Some(w) = watchdog {
+        let _ = w.await;
+    }
+    tokio::spawn(async move {
+        while let Some(signal) = signals.next().await {
+            if signal != SIGHUP {
+                tracing::warn!(signal, "second stop request: exiting now");
+                std::process::exit(1);
+            }
+        }
+    });
+    let report = daemon.shutdown().await;
+    if !report.settled {
+        systemd::status(&format!(
+            "stopped: timed out with {} unfinished",
+            report.remaining
+        ));
+    }
+    ExitCode::SUCCESS
+}
+
+/// The log filter, reloadable by SIGHUP (unless `RUST_LOG` overrides it).
+struct LogReload {
+    level: String,
+    handle: Option<
+        tracing_subscriber::reload::Handle<
+            tracing_subscriber::EnvFilter,
+            tracing_subscriber::Registry,
+        >,
+    >,
+}
+
+impl LogReload {
+    fn set(&self, level: &str) -> Result<(), String> {
+        let Some(handle) = &self.handle else {
+            return Err("RUST_LOG is set and wins over log.level".into());
+        };
+        let filter = tracing_subscriber::EnvFilter::try_new(level).map_err(|e| e.to_string())?;
+        handle.reload(filter).map_err(|e| e.to_string())
     }
 }

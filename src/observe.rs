@@ -12,6 +12,7 @@ use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use tokio::sync::broadcast;
 
@@ -94,8 +95,12 @@ pub struct Observer {
     schedule_lag: Gauge<f64, std::sync::atomic::AtomicU64>,
     oldest_unsent_age: Gauge<f64, std::sync::atomic::AtomicU64>,
     channel_up: Family<Labels, Gauge>,
+    submission_seconds: Family<Labels, Histogram>,
+    pruned: Family<Labels, Counter>,
     /// Each channel account's last reported state, by configured name.
     channels: Mutex<BTreeMap<String, ChannelState>>,
+    /// When each long-running loop last made progress (the watchdog).
+    beats: Mutex<BTreeMap<&'static str, std::time::Instant>>,
     events: broadcast::Sender<Event>,
 }
 
@@ -177,6 +182,20 @@ impl Observer {
             "How late the last schedule occurrence was handled after its slot",
             schedule_lag.clone(),
         );
+        let submission_seconds = Family::<Labels, Histogram>::new_with_constructor(|| {
+            Histogram::new(exponential_buckets(0.0005, 4.0, 10))
+        });
+        registry.register(
+            "switchboard_submission_duration_seconds",
+            "How long a runtime took to admit a batch of submissions, by runtime",
+            submission_seconds.clone(),
+        );
+        let pruned = Family::<Labels, Counter>::default();
+        registry.register(
+            "switchboard_retention_pruned",
+            "Rows the retention worker pruned, by kind (payloads erased, journal rows, replies, runs)",
+            pruned.clone(),
+        );
         let channel_up = Family::<Labels, Gauge>::default();
         registry.register(
             "switchboard_channel_up",
@@ -199,7 +218,10 @@ impl Observer {
             schedule_lag,
             oldest_unsent_age,
             channel_up,
+            submission_seconds,
+            pruned,
             channels: Mutex::new(BTreeMap::new()),
+            beats: Mutex::new(BTreeMap::new()),
             events,
         }
     }
@@ -284,6 +306,29 @@ impl Observer {
             run_id: run_id.to_owned(),
             new_run,
         });
+    }
+
+    /// One call of a runtime's `submit` (its latency as the submitter sees
+    /// it: network and admission included).
+    pub fn submission_latency(&self, runtime: &str, took: std::time::Duration) {
+        self.submission_seconds
+            .get_or_create(&vec![("runtime", runtime.to_owned())])
+            .observe(took.as_secs_f64());
+    }
+
+    pub fn pruned(&self, pass: &crate::store::PruneReport) {
+        for (kind, n) in [
+            ("payloads", pass.payloads),
+            ("journal_rows", pass.keys),
+            ("replies", pass.outbox),
+            ("runs", pass.runs),
+        ] {
+            if n > 0 {
+                self.pruned
+                    .get_or_create(&vec![("kind", kind.to_owned())])
+                    .inc_by(n);
+            }
+        }
     }
 
     pub fn submission_failed(&self, runtime: &str, outcome: &'static str) {
@@ -390,6 +435,25 @@ impl Observer {
             .set(i64::from(state == "up"));
         let mut channels = self.channels.lock().unwrap_or_else(|p| p.into_inner());
         channels.insert(account.to_owned(), ChannelState { state, detail });
+    }
+
+    /// A long-running loop went round once (or is idle and well).
+    pub fn beat(&self, name: &'static str) {
+        self.beats
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(name, std::time::Instant::now());
+    }
+
+    /// Loops that have not beaten within `within`.
+    pub fn stalled_loops(&self, within: std::time::Duration) -> Vec<&'static str> {
+        self.beats
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .filter(|(_, at)| at.elapsed() > within)
+            .map(|(name, _)| *name)
+            .collect()
     }
 
     /// Every channel account's state, by configured name.

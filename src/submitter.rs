@@ -49,8 +49,10 @@ pub struct Submitter {
     pub outbox_wake: Arc<Notify>,
     /// Wakes the scheduler when a schedule was created.
     pub scheduler_wake: Arc<Notify>,
-    /// Each channel account's access rules, by store identity.
-    pub access: HashMap<String, Access>,
+    /// The platform of each channel account whose access is checked, by
+    /// store identity. The rules themselves are read from the live config
+    /// for every row, so a reload (SIGHUP) changes them at once.
+    pub access: HashMap<String, switchboard_channel::Platform>,
 }
 
 /// What one round achieved.
@@ -87,6 +89,7 @@ impl Submitter {
         let retry = Duration::from_secs(self.config.submitter.retry_secs);
         let mut waiting = Waiting::default();
         loop {
+            self.observer.beat("submitter");
             let round = match self.round(&mut waiting).await {
                 Ok(round) => round,
                 Err(e) => {
@@ -150,7 +153,12 @@ impl Submitter {
             let runtime_name = runtime_name.clone();
             // Who may talk to the bot is decided once, here, for every
             // channel; refusals are journaled with their reason.
-            if let Some(access) = self.access.get(&row.account) {
+            let access = self.access.get(&row.account).and_then(|platform| {
+                let (name, _) = self.accounts.get(&row.account)?;
+                let rules = self.config.access_for(name)?;
+                Some(Access::resolve(&rules, *platform))
+            });
+            if let Some(access) = access {
                 match access
                     .check(&self.store, &self.config.messages, &row, now)
                     .await?
@@ -322,7 +330,10 @@ impl Submitter {
             blocked.extend(rows.iter().map(|r| r.conversation_id));
             return Ok(());
         };
+        let started = std::time::Instant::now();
         let results = runtime.submit(submissions).await;
+        self.observer
+            .submission_latency(runtime.name(), started.elapsed());
         let mut admitted = Vec::new();
         for (row, result) in rows.iter().zip(results) {
             if blocked.contains(&row.conversation_id) {

@@ -259,4 +259,36 @@ callback_url = "http://127.0.0.1:1/replies"
         stderr.contains("unknown field `synchronus`") && stderr.contains("key `store`"),
         "{stderr}"
     );
+
+    // An admin API reachable from other machines needs a token; journal
+    // keys must outlive platform redeliveries.
+    std::fs::write(
+        &path,
+        r#"
+[admin]
+listen = "0.0.0.0:8781"
+[retention]
+journal_days = 2
+[runtimes.default]
+kind = "local"
+model = { backend = "echo" }
+[channels.main]
+kind = "webhook"
+runtime = "default"
+callback_url = "http://127.0.0.1:1/replies"
+"#,
+    )
+    .unwrap();
+    let out = std::process::Command::new(common::BIN)
+        .args(["check", "--config"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(78));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("admin.listen") && stderr.contains("admin.token_file"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("retention.journal_days"), "{stderr}");
 }

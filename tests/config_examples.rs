@@ -73,6 +73,10 @@ fn the_default_file_documents_the_real_defaults() {
         format!("{:?}", minimal.shutdown)
     );
     assert_eq!(
+        format!("{:?}", documented.retention),
+        format!("{:?}", minimal.retention)
+    );
+    assert_eq!(
         format!("{:?}", documented.runtimes),
         format!("{:?}", minimal.runtimes)
     );

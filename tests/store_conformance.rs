@@ -967,6 +967,87 @@ mod suite {
         );
     }
 
+    pub async fn retention_prunes_old_settled_data_in_bounded_batches(store: SharedStore) {
+        // Journal rows at t = 1_000 (old) and one pending; a run finished at
+        // 5_000 with its reply acknowledged at 6_000.
+        let mut rows = Vec::new();
+        for i in 0..5 {
+            rows.push(inbound("webhook:a", &format!("old-{i}"), "c", None));
+        }
+        let row_ids: Vec<i64> = store
+            .journal_insert(&rows)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|o| ids(o).1)
+            .collect();
+        for id in &row_ids[..4] {
+            store
+                .journal_settle(*id, Disposition::Ignored, "done", None, 1_500)
+                .await
+                .unwrap();
+        }
+        let runs = store.runs_admit(&[new_run("r1", 9)]).await.unwrap();
+        store.runs_start(&[runs[0].run_id], 4_000).await.unwrap();
+        store
+            .runs_finish(&[finish(runs[0].run_id, "ans", "the answer")])
+            .await
+            .unwrap();
+        let claimed = store.outbox_claim(&claim(6_000, 10)).await.unwrap();
+        store
+            .outbox_settle(&[ack(&claimed[0], 6_000)])
+            .await
+            .unwrap();
+
+        // Payloads only, two rows per pass: bounded, oldest first.
+        let payloads_only = PruneRules {
+            payloads_before: 2_000,
+            keys_before: 0,
+            outbox_before: 0,
+            runs_before: 0,
+            batch: 2,
+        };
+        let first = store.prune(&payloads_only).await.unwrap();
+        assert_eq!(first.payloads, 2);
+        let second = store.prune(&payloads_only).await.unwrap();
+        assert_eq!(second.payloads, 2);
+        let third = store.prune(&payloads_only).await.unwrap();
+        assert_eq!(
+            third,
+            PruneReport::default(),
+            "the pending row keeps its payload"
+        );
+        let row = store.journal_get(row_ids[0]).await.unwrap().unwrap();
+        assert_eq!((row.payload, row.update_key.as_str()), (None, "old-0"));
+        assert!(
+            store
+                .journal_get(row_ids[4])
+                .await
+                .unwrap()
+                .unwrap()
+                .payload
+                .is_some()
+        );
+        // Keys and the journal's deduplication survive until keys_before.
+        let again = store.journal_insert(&rows[..1]).await.unwrap();
+        assert!(!ids(again[0]).0, "a pruned payload still deduplicates");
+
+        // Everything old: keys (not the pending row), the reply, the run.
+        let all = PruneRules {
+            payloads_before: 10_000,
+            keys_before: 10_000,
+            outbox_before: 10_000,
+            runs_before: 10_000,
+            batch: 100,
+        };
+        let report = store.prune(&all).await.unwrap();
+        assert_eq!((report.keys, report.outbox, report.runs), (4, 1, 1));
+        assert!(store.journal_get(row_ids[0]).await.unwrap().is_none());
+        assert!(store.journal_get(row_ids[4]).await.unwrap().is_some());
+        assert!(store.run_get(runs[0].run_id).await.unwrap().is_none());
+        assert_eq!(store.prune(&all).await.unwrap(), PruneReport::default());
+    }
+
     pub async fn outbox_previews_never_follow_their_answer(store: SharedStore) {
         let preview = NewOutboxItem {
             kind: ItemKind::Preview,
@@ -1500,6 +1581,7 @@ conformance!(sqlite, open_sqlite;
     occurrences_are_claimed_once_and_settled_fenced,
     chats_and_accounts_are_remembered,
     chat_migration_moves_conversations_replies_and_access,
+    retention_prunes_old_settled_data_in_bounded_batches,
 );
 
 #[tokio::test]

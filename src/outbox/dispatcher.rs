@@ -94,6 +94,7 @@ impl Dispatcher {
         let mut in_flight: JoinSet<()> = JoinSet::new();
         let mut claim_failures = 0u32;
         loop {
+            this.observer.beat("dispatcher");
             if stop.is_cancelled() {
                 break;
             }

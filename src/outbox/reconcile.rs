@@ -105,6 +105,7 @@ impl Reconciler {
     /// Sweep every `interval` until `stop` is cancelled.
     pub async fn run(self, interval: Duration, stop: CancellationToken) {
         loop {
+            self.observer.beat("reconciler");
             if let Err(e) = self.sweep().await {
                 tracing::warn!(error = %e, "reconciliation sweep failed; will retry");
             }

@@ -186,4 +186,10 @@ pub trait Runtime: Send + Sync {
     /// Stop: no new runs, `grace` for the ones in flight, then abort with
     /// reason `shutdown` and wait at most `force`.
     async fn close(&self, grace: Duration, force: Duration) -> CloseReport;
+
+    /// Whether the runtime can take work now (readiness); the reason when
+    /// not. The built-in runtime always can.
+    async fn health(&self) -> Result<(), String> {
+        Ok(())
+    }
 }

@@ -222,6 +222,7 @@ impl Scheduler {
         let poll = Duration::from_millis(self.config.scheduler.poll_ms);
         let mut failures = 0u32;
         loop {
+            self.observer.beat("scheduler");
             let pause = match self.work().await {
                 Ok(report) => {
                     failures = 0;

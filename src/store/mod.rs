@@ -319,15 +319,35 @@ pub trait AccessStore: Send + Sync {
     ) -> StoreResult<Vec<PairingRow>>;
 }
 
+/// Retention: pruning old personal data in bounded batches, and purging
+/// one conversation on request.
+#[async_trait]
+pub trait RetentionStore: Send + Sync {
+    /// One bounded pass over each kind of old data.
+    async fn prune(&self, rules: &PruneRules) -> StoreResult<PruneReport>;
+
+    /// Remove one conversation's messages, runs and replies in one
+    /// transaction, keeping its journal keys as tombstones (so a late
+    /// redelivery is still a duplicate). Refuses while a run of it is
+    /// active or one of its replies is being sent.
+    async fn purge_conversation(&self, conversation_id: i64, now: i64)
+    -> StoreResult<PurgeOutcome>;
+}
+
 /// Everything durable.
 #[async_trait]
-pub trait Store: JournalStore + RunStore + OutboxStore + ScheduleStore + AccessStore {
+pub trait Store:
+    JournalStore + RunStore + OutboxStore + ScheduleStore + AccessStore + RetentionStore
+{
     /// A short description for logs (`sqlite:data/switchboard.db`).
     fn describe(&self) -> String;
 
     /// Whether one process owns the whole store (SQLite), so that leases
     /// found at start-up are known to be orphaned.
     fn single_process(&self) -> bool;
+
+    /// A round trip to the store (readiness).
+    async fn ping(&self) -> StoreResult<()>;
 
     /// Flush and close. Calls after this fail.
     async fn close(&self);

@@ -717,3 +717,47 @@ pub struct PairingRow {
     pub expires_at: i64,
     pub decided_at: Option<i64>,
 }
+
+/// What one pruning pass may remove (times in ms since the epoch: rows
+/// older than these go), at most `batch` rows per kind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PruneRules {
+    /// Journal payloads and sender names of settled rows.
+    pub payloads_before: i64,
+    /// Journal rows themselves (their keys deduplicate redeliveries).
+    pub keys_before: i64,
+    /// Settled outbox items (acknowledged, failed, dropped).
+    pub outbox_before: i64,
+    /// Finished runs with their inputs and events.
+    pub runs_before: i64,
+    pub batch: usize,
+}
+
+/// Rows one pruning pass changed, by kind.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct PruneReport {
+    pub payloads: u64,
+    pub keys: u64,
+    pub outbox: u64,
+    pub runs: u64,
+}
+
+impl PruneReport {
+    pub fn total(&self) -> u64 {
+        self.payloads + self.keys + self.outbox + self.runs
+    }
+}
+
+/// What purging a conversation did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PurgeOutcome {
+    /// Removed; its journal rows remain as key-only tombstones.
+    Purged {
+        inbound: u64,
+        runs: u64,
+        outbox: u64,
+    },
+    NotFound,
+    /// Work of the conversation is in progress (the reason names it).
+    Busy(String),
+}

@@ -230,12 +230,23 @@ pub struct Daemon {
     pub admin: SocketAddr,
     child: Option<Child>,
     starts: usize,
+    /// Extra environment for the process.
+    pub env: Vec<(String, String)>,
 }
 
 impl Daemon {
     /// Write the config and start the process; returns once `/healthz`
     /// answers.
     pub async fn start(dir: &Path, config: &DaemonConfig) -> Daemon {
+        Self::start_with_env(dir, config, Vec::new()).await
+    }
+
+    /// Like [`Daemon::start`], with extra environment variables.
+    pub async fn start_with_env(
+        dir: &Path,
+        config: &DaemonConfig,
+        env: Vec<(String, String)>,
+    ) -> Daemon {
         let config_path = dir.join("switchboard.toml");
         std::fs::write(&config_path, config.render(dir)).unwrap();
         let mut daemon = Daemon {
@@ -245,6 +256,7 @@ impl Daemon {
             admin: SocketAddr::from(([127, 0, 0, 1], config.admin_port)),
             child: None,
             starts: 0,
+            env,
         };
         daemon.spawn().await;
         daemon
@@ -260,6 +272,7 @@ impl Daemon {
             .args(["run", "--config"])
             .arg(&self.config_path)
             .env_remove("RUST_LOG")
+            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
@@ -292,6 +305,38 @@ impl Daemon {
                 self.logs()
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// The process id, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// Send a signal (`"HUP"`, `"TERM"`) without waiting.
+    pub fn signal(&self, name: &str) {
+        let pid = self.pid().expect("not running");
+        let status = Command::new("kill")
+            .args([&format!("-{name}"), &pid.to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+
+    /// Wait for the process to exit on its own; its exit code.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<i32> {
+        let mut child = self.child.take()?;
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                return status.code();
+            }
+            if Instant::now() > deadline {
+                child.kill().unwrap();
+                child.wait().unwrap();
+                panic!("switchboard did not exit within {timeout:?}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
         }
     }
 

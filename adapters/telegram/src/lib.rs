@@ -1022,7 +1022,12 @@ async fn webhook_update(
         .unwrap_or(true)
     {
         // getMe has not answered yet: Telegram retries later.
-        return (StatusCode::SERVICE_UNAVAILABLE, "starting\n").into_response();
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            [(axum::http::header::RETRY_AFTER, "5")],
+            "starting\n",
+        )
+            .into_response();
     }
     let update: Value = match serde_json::from_slice(&body) {
         Ok(v @ Value::Object(_)) => v,
@@ -1041,9 +1046,12 @@ async fn webhook_update(
     };
     match channel.ingest(&**sink, &update).await {
         Ok(()) => StatusCode::OK.into_response(),
-        Err(IngressError::Unavailable(why)) => {
-            (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")).into_response()
-        }
+        Err(IngressError::Unavailable(why)) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            [(axum::http::header::RETRY_AFTER, "5")],
+            format!("{why}\n"),
+        )
+            .into_response(),
         Err(IngressError::Store(why)) => {
             (StatusCode::INTERNAL_SERVER_ERROR, format!("{why}\n")).into_response()
         }

@@ -13,6 +13,7 @@
 mod access;
 mod journal;
 mod outbox;
+mod retention;
 mod runs;
 mod schedules;
 
@@ -127,6 +128,11 @@ impl Store for SqliteStore {
 
     fn single_process(&self) -> bool {
         true
+    }
+
+    async fn ping(&self) -> StoreResult<()> {
+        sqlx::query("SELECT 1").execute(&self.reader).await?;
+        Ok(())
     }
 
     /// Close the pools (the last connection checkpoints the WAL).
