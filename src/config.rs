@@ -63,10 +63,45 @@ pub struct Config {
     /// How long personal data is kept.
     #[serde(default)]
     pub retention: RetentionConfig,
+    /// `switchboard runtime serve`: the built-in runtime over the runtime
+    /// protocol.
+    #[serde(default)]
+    pub serve: Option<ServeConfig>,
     /// The settings SIGHUP can change while the daemon runs, shared by
     /// every clone of this config (see [`LivePolicies`]).
     #[serde(skip)]
     pub live: LivePolicies,
+}
+
+/// `[serve]`: what `switchboard runtime serve` serves, and where.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServeConfig {
+    /// `"host:port"` to serve `/v1/...` on.
+    #[serde(default = "default_serve_listen")]
+    pub listen: String,
+    /// The built-in runtime (`[runtimes.NAME]`, kind "local") to serve.
+    pub runtime: String,
+    /// Bearer token clients must send (prefer `token_file` or
+    /// `SWITCHBOARD__SERVE__TOKEN`); required off loopback.
+    #[serde(default)]
+    pub token: Option<String>,
+    #[serde(default)]
+    pub token_file: Option<PathBuf>,
+}
+
+fn default_serve_listen() -> String {
+    "127.0.0.1:8800".to_owned()
+}
+
+impl ServeConfig {
+    pub fn resolve_token(&self) -> Result<Option<String>, String> {
+        match (&self.token, &self.token_file) {
+            (Some(t), _) => Ok(Some(t.clone())),
+            (None, Some(path)) => read_secret_file(path).map(Some),
+            (None, None) => Ok(None),
+        }
+    }
 }
 
 /// How long what users said is kept (`[retention]`). Message text is
@@ -430,6 +465,41 @@ pub enum RuntimeConfig {
     /// The built-in runtime: owns runs per conversation and calls a model
     /// backend.
     Local(LocalRuntimeConfig),
+    /// A runtime of your own, over the documented HTTP protocol
+    /// (docs/runtime-protocol.md).
+    Http(HttpRuntimeConfig),
+}
+
+/// `[runtimes.NAME] kind = "http"`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HttpRuntimeConfig {
+    /// Where the runtime serves `/v1/...`, e.g. "http://127.0.0.1:8800".
+    pub base_url: String,
+    /// Bearer token the runtime requires (prefer `token_file` or
+    /// `SWITCHBOARD__RUNTIMES__NAME__TOKEN`).
+    #[serde(default)]
+    pub token: Option<String>,
+    #[serde(default)]
+    pub token_file: Option<PathBuf>,
+    /// Seconds a submission, run read or stop may take before it is retried
+    /// (with the same idempotency keys).
+    #[serde(default = "default_http_runtime_timeout")]
+    pub request_timeout_secs: u64,
+}
+
+fn default_http_runtime_timeout() -> u64 {
+    10
+}
+
+impl HttpRuntimeConfig {
+    pub fn resolve_token(&self) -> Result<Option<String>, String> {
+        match (&self.token, &self.token_file) {
+            (Some(t), _) => Ok(Some(t.clone())),
+            (None, Some(path)) => read_secret_file(path).map(Some),
+            (None, None) => Ok(None),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -1422,6 +1492,30 @@ impl Config {
                 );
             }
             match runtime {
+                RuntimeConfig::Http(http) => {
+                    match reqwest::Url::parse(&http.base_url) {
+                        Ok(u) if u.scheme() == "http" || u.scheme() == "https" => {}
+                        _ => problem(
+                            format!("runtimes.{name}.base_url"),
+                            format!(
+                                "{:?} is not an http(s) URL; use e.g. \"http://127.0.0.1:8800\"",
+                                http.base_url
+                            ),
+                        ),
+                    }
+                    if http.token.is_some() && http.token_file.is_some() {
+                        problem(
+                            format!("runtimes.{name}.token"),
+                            "set either token or token_file, not both".into(),
+                        );
+                    }
+                    if http.request_timeout_secs == 0 {
+                        problem(
+                            format!("runtimes.{name}.request_timeout_secs"),
+                            "must be at least 1".into(),
+                        );
+                    }
+                }
                 RuntimeConfig::Local(local) => {
                     if local.max_concurrent_runs == 0 {
                         problem(
@@ -1485,7 +1579,42 @@ impl Config {
                 }
             }
         }
-        if self.channels.is_empty() {
+        if let Some(serve) = &self.serve {
+            match self.runtimes.get(&serve.runtime) {
+                Some(RuntimeConfig::Local(_)) => {}
+                Some(_) => problem(
+                    "serve.runtime".into(),
+                    format!(
+                        "runtimes.{} is not a built-in (kind = \"local\") runtime; only those can be served",
+                        serve.runtime
+                    ),
+                ),
+                None => problem(
+                    "serve.runtime".into(),
+                    format!(
+                        "{:?} names no runtime; add [runtimes.{}]",
+                        serve.runtime, serve.runtime
+                    ),
+                ),
+            }
+            match parse_listen(&serve.listen) {
+                Err(e) => problem("serve.listen".into(), e),
+                Ok(addr)
+                    if !addr.ip().is_loopback()
+                        && serve.token.is_none()
+                        && serve.token_file.is_none() =>
+                {
+                    problem(
+                        "serve.listen".into(),
+                        format!(
+                            "{addr} is reachable from other machines; set serve.token_file (a bearer token clients must send) or listen on 127.0.0.1"
+                        ),
+                    )
+                }
+                Ok(_) => {}
+            }
+        }
+        if self.channels.is_empty() && self.serve.is_none() {
             problem(
                 "channels".into(),
                 "no channel account is configured; add [channels.NAME] with kind = \"webhook\", \"telegram\" or \"discord\""
@@ -1715,7 +1844,12 @@ impl Config {
                 .unwrap_or_default()
                 .to_owned()
         };
-        let sections: [(&str, String, String); 10] = [
+        let sections: [(&str, String, String); 11] = [
+            (
+                "serve",
+                format!("{:?}", self.serve),
+                format!("{:?}", new.serve),
+            ),
             (
                 "retention",
                 format!("{:?}", self.retention),

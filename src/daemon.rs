@@ -183,6 +183,21 @@ impl Daemon {
         let mut runtimes: HashMap<String, Arc<dyn Runtime>> = HashMap::new();
         for (name, runtime) in &config.runtimes {
             let built: Arc<dyn Runtime> = match runtime {
+                RuntimeConfig::Http(http) => Arc::new(
+                    crate::runtime::remote::RemoteRuntime::new(
+                        name,
+                        http,
+                        crate::runtime::remote::RemoteDeps {
+                            store: store.clone(),
+                            shaper: shaper.clone(),
+                            messages: config.messages.clone(),
+                            clock: clock.clone(),
+                            observer: observer.clone(),
+                            outbox_wake: dispatcher_wake.clone(),
+                        },
+                    )
+                    .map_err(anyhow::Error::msg)?,
+                ),
                 RuntimeConfig::Local(local) => Arc::new(
                     LocalRuntime::new(
                         name,

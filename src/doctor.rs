@@ -220,6 +220,38 @@ async fn check_runtime(
 ) {
     let what = format!("runtime {name}");
     match runtime {
+        RuntimeConfig::Http(http) => {
+            let token = match http.resolve_token() {
+                Ok(t) => t,
+                Err(e) => return report.line(Verdict::Fail, &what, format!("token_file: {e}")),
+            };
+            let mut request =
+                client.get(format!("{}/v1/health", http.base_url.trim_end_matches('/')));
+            if let Some(token) = token {
+                request = request.bearer_auth(token);
+            }
+            match request.send().await {
+                Ok(r) if r.status().is_success() => report.line(
+                    Verdict::Pass,
+                    &what,
+                    format!("{} answers /v1/health", http.base_url),
+                ),
+                Ok(r) => report.line(
+                    Verdict::Fail,
+                    &what,
+                    format!(
+                        "{} answers /v1/health with HTTP {}",
+                        http.base_url,
+                        r.status().as_u16()
+                    ),
+                ),
+                Err(_) => report.line(
+                    Verdict::Fail,
+                    &what,
+                    format!("cannot reach {}; is the runtime running?", http.base_url),
+                ),
+            }
+        }
         RuntimeConfig::Local(local) => {
             match &local.model {
                 ModelConfig::Echo(_) => report.line(Verdict::Pass, &what, "built-in, echo model"),
@@ -351,8 +383,13 @@ fn secret_files(config: &Config) -> Vec<(String, PathBuf)> {
         }
     }
     for (name, runtime) in &config.runtimes {
-        let RuntimeConfig::Local(local) = runtime;
-        if let ModelConfig::Openai(o) = &local.model
+        if let RuntimeConfig::Http(http) = runtime
+            && let Some(f) = &http.token_file
+        {
+            files.push((format!("runtimes.{name}.token_file"), f.clone()));
+        }
+        if let RuntimeConfig::Local(local) = runtime
+            && let ModelConfig::Openai(o) = &local.model
             && let Some(f) = &o.api_key_file
         {
             files.push((format!("runtimes.{name}.model.api_key_file"), f.clone()));

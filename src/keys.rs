@@ -32,7 +32,24 @@ pub fn preview_item_key(run_id: &str) -> String {
 
 /// The reply item key of a notice a run sends (a failure notice).
 pub fn run_notice_key(run_id: i64, what: &str) -> String {
-    format!("run-{run_id}-{what}")
+    run_notice_key_for(&run_id.to_string(), what)
+}
+
+/// [`run_notice_key`] for any run key.
+pub fn run_notice_key_for(run: &str, what: &str) -> String {
+    format!("run-{run}-{what}")
+}
+
+/// A remote runtime's run, as Switchboard names it: the runtime's own run id
+/// is only unique within that runtime.
+pub fn remote_run_key(runtime: &str, run_id: &str) -> String {
+    format!("{runtime}:{run_id}")
+}
+
+/// The reply item key of part `part` of the answer a remote runtime's
+/// durable event `event_id` carries: a repeated event yields the same keys.
+pub fn event_item_key(run: &str, event_id: i64, part: usize) -> String {
+    format!("run-{run}-ev{event_id}-{part}")
 }
 
 /// The reply item key of a notice about an inbound row (a failure notice, a

@@ -41,6 +41,7 @@ pub mod outbox;
 pub mod retention;
 pub mod runtime;
 pub mod schedule;
+pub mod serve;
 pub mod store;
 pub mod submitter;
 pub mod surface;

@@ -71,6 +71,11 @@ enum Command {
         #[command(subcommand)]
         command: PairCommand,
     },
+    /// The built-in runtime as a server of the runtime protocol.
+    Runtime {
+        #[command(subcommand)]
+        command: RuntimeCommand,
+    },
     /// Remove personal data on request.
     Purge {
         #[command(subcommand)]
@@ -79,6 +84,13 @@ enum Command {
     /// Check the config, the store, each channel's token, the runtimes, the
     /// admin bind and secret file permissions; exit 1 when something fails.
     Doctor(ConfigArg),
+}
+
+#[derive(Subcommand)]
+enum RuntimeCommand {
+    /// Serve the runtime named by `[serve]` over docs/runtime-protocol.md
+    /// until SIGTERM or SIGINT.
+    Serve(ConfigArg),
 }
 
 #[derive(Subcommand)]
@@ -473,6 +485,29 @@ async fn dispatch(command: Command) -> ExitCode {
                 }
                 Err(e) => fail(e),
             }
+        }
+        Command::Runtime {
+            command: RuntimeCommand::Serve(args),
+        } => {
+            let config = match load(&args) {
+                Ok(c) => c,
+                Err(code) => return code,
+            };
+            let _log = init_logging(&config.log.level, config.log.format);
+            let grace = std::time::Duration::from_secs(config.shutdown.grace_secs);
+            let force = std::time::Duration::from_secs(config.shutdown.force_secs);
+            let server = match switchboard::serve::Server::start(config).await {
+                Ok(s) => s,
+                Err(e) => return fail(format!("{e:#}")),
+            };
+            println!("serving the runtime protocol on http://{}", server.addr);
+            let mut signals = match signal_hook_tokio::Signals::new([SIGTERM, SIGINT]) {
+                Ok(s) => s,
+                Err(e) => return fail(format!("cannot listen for signals: {e}")),
+            };
+            let _ = signals.next().await;
+            server.shutdown(grace, force).await;
+            ExitCode::SUCCESS
         }
         Command::Doctor(args) => match switchboard::doctor::run(&args.config).await {
             true => ExitCode::SUCCESS,

@@ -393,7 +393,7 @@ impl Submitter {
         let stop_with = |text: &str| Stop {
             conversation_id: row.conversation_id,
             reason: command.name().to_owned(),
-            notice: self.notice(row, command.name().trim_start_matches('/'), text, now),
+            notice: Some(self.notice(row, command.name().trim_start_matches('/'), text, now)),
         };
         let reply =
             |text: String| self.notice(row, command.name().trim_start_matches('/'), &text, now);

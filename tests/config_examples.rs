@@ -170,3 +170,25 @@ fn the_discord_example_documents_the_real_defaults() {
         assert_eq!(documented.surface(kind), minimal.surface(kind), "{kind}");
     }
 }
+
+#[test]
+fn the_remote_runtime_example_documents_the_real_defaults() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/remote-runtime.toml");
+    let documented = Config::from_toml(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let minimal = Config::from_toml(
+        r#"
+        [runtimes.agent]
+        kind = "http"
+        base_url = "http://127.0.0.1:8800"
+        [channels.local]
+        kind = "webhook"
+        runtime = "agent"
+        callback_url = "http://127.0.0.1:8790/replies"
+        "#,
+    )
+    .unwrap();
+    assert_eq!(
+        format!("{:?}", documented.runtimes),
+        format!("{:?}", minimal.runtimes)
+    );
+}

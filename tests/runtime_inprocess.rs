@@ -58,7 +58,9 @@ async fn the_local_runtime_streams_gap_free_deltas_that_add_up_to_the_answer() {
     let dir = tempfile::tempdir().unwrap();
     let store = store(dir.path()).await;
     let config = config("");
-    let switchboard::config::RuntimeConfig::Local(local) = &config.runtimes["default"];
+    let switchboard::config::RuntimeConfig::Local(local) = &config.runtimes["default"] else {
+        panic!("the test config has a local runtime")
+    };
     let clock: SharedClock = Arc::new(SystemClock);
     let runtime = LocalRuntime::new(
         "default",
@@ -345,7 +347,9 @@ async fn a_terminal_only_surface_shows_typing_while_the_run_is_active() {
     let dir = tempfile::tempdir().unwrap();
     let store = store(dir.path()).await;
     let config = Arc::new(config("[outbox]\ntyping_interval_ms = 200\n"));
-    let switchboard::config::RuntimeConfig::Local(local) = &config.runtimes["default"];
+    let switchboard::config::RuntimeConfig::Local(local) = &config.runtimes["default"] else {
+        panic!("the test config has a local runtime")
+    };
     let mut local = local.clone();
     local.model = switchboard::config::ModelConfig::Echo(switchboard::config::EchoConfig {
         token_delay_ms: 60,

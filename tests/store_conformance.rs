@@ -1053,12 +1053,7 @@ mod suite {
             kind: ItemKind::Preview,
             ..item("run-1-preview", 1)
         };
-        assert!(
-            store
-                .outbox_enqueue_preview(&preview, "run-1-answer-1")
-                .await
-                .unwrap()
-        );
+        assert!(store.outbox_enqueue_preview(&preview).await.unwrap());
         let answer = NewOutboxItem {
             edits_key: Some("run-1-preview".into()),
             attachments: Vec::new(),
@@ -1067,21 +1062,20 @@ mod suite {
         store.outbox_enqueue(&[answer]).await.unwrap();
         assert!(store.outbox_replaced("run-1-preview").await.unwrap());
         assert!(!store.outbox_replaced("run-2-preview").await.unwrap());
-        // Run 2 answered before its first delta was seen: no preview.
+        // Run 2 answered (here by a remote runtime's event-keyed item)
+        // before its first delta was seen: no preview.
         store
-            .outbox_enqueue(&[item("run-2-answer-1", 2)])
+            .outbox_enqueue(&[NewOutboxItem {
+                edits_key: Some("run-2-preview".into()),
+                ..item("run-2-ev9-1", 2)
+            }])
             .await
             .unwrap();
         let late = NewOutboxItem {
             kind: ItemKind::Preview,
             ..item("run-2-preview", 2)
         };
-        assert!(
-            !store
-                .outbox_enqueue_preview(&late, "run-2-answer-1")
-                .await
-                .unwrap()
-        );
+        assert!(!store.outbox_enqueue_preview(&late).await.unwrap());
         assert!(
             store
                 .outbox_get_by_key("run-2-preview")

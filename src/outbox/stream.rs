@@ -215,8 +215,7 @@ impl Streamer {
             attachments: Vec::new(),
             created_at: self.clock.now_ms(),
         };
-        let final_key = keys::answer_item_key(&stream.run_id, 1);
-        match self.store.outbox_enqueue_preview(&item, &final_key).await {
+        match self.store.outbox_enqueue_preview(&item).await {
             Ok(true) => {
                 stream.preview = Preview::Created;
                 stream.shown = first;

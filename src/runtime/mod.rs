@@ -9,6 +9,7 @@
 //! keyed by durable event ids.
 
 pub mod local;
+pub mod remote;
 
 use std::time::Duration;
 
@@ -100,8 +101,9 @@ pub struct Stop {
     /// Recorded on what was cancelled (`/stop`, `/new`).
     pub reason: String,
     /// The confirmation, sent after the interrupted run's partial answer
-    /// (or at once when nothing was running).
-    pub notice: NewOutboxItem,
+    /// (or at once when nothing was running); `None` sends nothing (a
+    /// runtime served over the protocol has no chat to confirm in).
+    pub notice: Option<NewOutboxItem>,
 }
 
 /// What a stop did.

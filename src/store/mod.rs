@@ -23,6 +23,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 
 use crate::config::{StoreConfig, StoreLocation};
+use crate::surface::SurfaceKind;
 pub use types::*;
 
 /// A store failure. Callers treat every variant as "nothing was written".
@@ -127,6 +128,38 @@ pub trait RunStore: Send + Sync {
 
     async fn run_get(&self, run_id: i64) -> StoreResult<Option<RunRow>>;
 
+    /// Durably end one run: a queued run is `cancelled` (with its terminal
+    /// event), a running one becomes `interrupt_requested` ending as
+    /// `end_as`. Returns the run's state afterwards (`None`: no such run);
+    /// a terminal run is left as it is.
+    async fn runs_interrupt(
+        &self,
+        run_id: i64,
+        end_as: RunState,
+        reason: &str,
+        now: i64,
+    ) -> StoreResult<Option<RunState>>;
+
+    /// Terminal events with an id above `after`, in id order (the event
+    /// stream of `switchboard runtime serve`).
+    async fn run_events_after(&self, after: i64, limit: usize) -> StoreResult<Vec<RunEventRow>>;
+
+    /// The id of a run's terminal event, once it has one.
+    async fn run_terminal_event(&self, run_id: i64) -> StoreResult<Option<i64>>;
+
+    /// The open conversation keyed `(account, key)`, created when missing
+    /// (conversations of a client of `switchboard runtime serve`).
+    async fn conversation_for_key(
+        &self,
+        account: &str,
+        key: &str,
+        surface: SurfaceKind,
+        now: i64,
+    ) -> StoreResult<i64>;
+
+    /// The key of a conversation made by [`RunStore::conversation_for_key`].
+    async fn conversation_key(&self, conversation_id: i64) -> StoreResult<Option<String>>;
+
     /// Newest first, at most `limit`, optionally one conversation and/or
     /// one state (an operator's view; not a hot path).
     async fn runs_list(
@@ -167,13 +200,11 @@ pub trait OutboxStore: Send + Sync {
 
     async fn outbox_get_by_key(&self, item_key: &str) -> StoreResult<Option<OutboxItem>>;
 
-    /// Add a streaming preview unless the item `unless_key` (the answer it
-    /// previews) already exists: a preview must never come after its answer.
-    async fn outbox_enqueue_preview(
-        &self,
-        item: &NewOutboxItem,
-        unless_key: &str,
-    ) -> StoreResult<bool>;
+    /// Add a streaming preview unless an item that replaces it (its answer,
+    /// a failure notice, a discard marker: any item whose `edits_key` is the
+    /// preview's key) already exists: a preview must never come after its
+    /// answer.
+    async fn outbox_enqueue_preview(&self, item: &NewOutboxItem) -> StoreResult<bool>;
 
     /// Whether an item that replaces `edits_key` (a preview) exists.
     async fn outbox_replaced(&self, edits_key: &str) -> StoreResult<bool>;
@@ -319,6 +350,62 @@ pub trait AccessStore: Send + Sync {
     ) -> StoreResult<Vec<PairingRow>>;
 }
 
+/// Remote runtimes: the runs Switchboard waits for and the event cursor.
+#[async_trait]
+pub trait RemoteStore: Send + Sync {
+    /// Record admitted runs as awaited (a run already known is left alone:
+    /// coalesced inputs share a run).
+    async fn remote_await(&self, runs: &[RemoteRun]) -> StoreResult<()>;
+
+    /// Runs of `runtime` still awaited, oldest first by `(created_at,
+    /// run_id)`, after the run `after` names (paging).
+    async fn remote_awaited(
+        &self,
+        runtime: &str,
+        after: Option<(i64, String)>,
+        limit: usize,
+    ) -> StoreResult<Vec<RemoteRun>>;
+
+    async fn remote_get(&self, runtime: &str, run_id: &str) -> StoreResult<Option<RemoteRun>>;
+
+    /// The awaited runs of one conversation (few: its backlog).
+    async fn remote_awaited_of(
+        &self,
+        runtime: &str,
+        conversation_id: i64,
+    ) -> StoreResult<Vec<RemoteRun>>;
+
+    /// The last durable event id processed (0 before the first).
+    async fn remote_cursor(&self, runtime: &str) -> StoreResult<i64>;
+
+    /// A run's `run.finished`: mark it finished, write its reply items (and
+    /// its `/stop` confirmation after them) and advance the cursor to
+    /// `event_id`, in one transaction. `false` when the run was not awaited
+    /// (a repeated event): nothing is written but the cursor.
+    async fn remote_finish(
+        &self,
+        runtime: &str,
+        run_id: &str,
+        event_id: i64,
+        replies: &[NewOutboxItem],
+        now: i64,
+    ) -> StoreResult<bool>;
+
+    /// Advance the cursor past an event that needs nothing (never moves it
+    /// back).
+    async fn remote_advance(&self, runtime: &str, event_id: i64) -> StoreResult<()>;
+
+    /// `/stop` on a remote conversation: the confirmation waits for the
+    /// interrupted run's last words when one was interrupted (and is still
+    /// awaited), and is written now otherwise.
+    async fn remote_stop_notice(
+        &self,
+        runtime: &str,
+        interrupted: Option<&str>,
+        notice: &NewOutboxItem,
+    ) -> StoreResult<()>;
+}
+
 /// Retention: pruning old personal data in bounded batches, and purging
 /// one conversation on request.
 #[async_trait]
@@ -337,7 +424,7 @@ pub trait RetentionStore: Send + Sync {
 /// Everything durable.
 #[async_trait]
 pub trait Store:
-    JournalStore + RunStore + OutboxStore + ScheduleStore + AccessStore + RetentionStore
+    JournalStore + RunStore + OutboxStore + ScheduleStore + AccessStore + RetentionStore + RemoteStore
 {
     /// A short description for logs (`sqlite:data/switchboard.db`).
     fn describe(&self) -> String;

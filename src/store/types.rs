@@ -761,3 +761,37 @@ pub enum PurgeOutcome {
     /// Work of the conversation is in progress (the reason names it).
     Busy(String),
 }
+
+/// A run admitted on a remote runtime that Switchboard waits for, with where
+/// its answer goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RemoteRun {
+    pub runtime: String,
+    /// The runtime's run id.
+    pub run_id: String,
+    pub conversation_id: i64,
+    pub account: String,
+    pub chat_id: String,
+    pub thread_id: Option<String>,
+    pub surface: SurfaceKind,
+    pub reply_to: Option<String>,
+    /// A `/stop` confirmation to send after its last words (`{"item_key",
+    /// "text"}`).
+    pub end_notice: Option<String>,
+    /// Still waiting for its `run.finished`.
+    pub awaited: bool,
+    pub event_id: Option<i64>,
+    pub created_at: i64,
+}
+
+/// A durable event of the built-in runtime (its runs' terminal records).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunEventRow {
+    pub id: i64,
+    pub run_id: i64,
+    pub conversation_id: i64,
+    pub state: RunState,
+    /// JSON: `state`, `answer`, `reason`, and `answered_by` for absorbed runs.
+    pub payload: String,
+    pub created_at: i64,
+}

@@ -90,6 +90,52 @@ pub struct Deps {
 }
 
 impl LocalRuntime {
+    /// Durably end one run (the protocol's interrupt): a queued run is
+    /// cancelled, a running one ends at its next step boundary as
+    /// `end_as` (`interrupted` or `superseded`). Returns the state after the
+    /// request; `None` for an unknown run.
+    pub async fn interrupt_run(
+        &self,
+        run_id: i64,
+        end_as: RunState,
+        reason: &str,
+    ) -> Result<Option<RunState>, String> {
+        let inner = &self.inner;
+        let _serial = inner.admission.lock().await;
+        let state = inner
+            .store
+            .runs_interrupt(run_id, end_as, reason, inner.clock.now_ms())
+            .await
+            .map_err(|e| e.to_string())?;
+        let conversation = match state {
+            Some(RunState::Cancelled | RunState::InterruptRequested) => inner
+                .store
+                .run_get(run_id)
+                .await
+                .map_err(|e| e.to_string())?
+                .map(|r| r.conversation_id),
+            _ => None,
+        };
+        if let Some(conversation_id) = conversation {
+            let mut lanes = inner.lanes();
+            if let Some(lane) = lanes.get_mut(&conversation_id) {
+                lane.remove(&[run_id]);
+                if let Some(running) = &lane.running
+                    && running.run_id == run_id
+                {
+                    running.control.end(end_as);
+                }
+            }
+            drop(lanes);
+            if state == Some(RunState::Cancelled) {
+                inner
+                    .observer
+                    .run_finished(&run_id.to_string(), "cancelled", conversation_id);
+            }
+        }
+        Ok(state)
+    }
+
     pub fn new(name: &str, config: &LocalRuntimeConfig, deps: Deps) -> Result<Self, String> {
         let model =
             model::build(&config.model).map_err(|e| format!("runtimes.{name}.model: {e}"))?;
@@ -201,7 +247,10 @@ impl Inner {
 
     /// Write a finished run, retrying store failures until it is written
     /// or the daemon stops (then the run is recovered at the next start).
-    async fn finish(&self, finish: RunFinish, conversation_id: i64) -> bool {
+    async fn finish(&self, mut finish: RunFinish, conversation_id: i64) -> bool {
+        if self.shaper.is_detached() {
+            finish.replies.clear();
+        }
         let run_id = finish.run_id;
         let state = finish.state;
         let absorbed = finish.absorb.clone();
@@ -440,7 +489,7 @@ impl Runtime for LocalRuntime {
             .runs_stop(&StopRequest {
                 conversation_id: stop.conversation_id,
                 reason: stop.reason.clone(),
-                notice: Some(stop.notice),
+                notice: stop.notice,
                 now: inner.clock.now_ms(),
             })
             .await

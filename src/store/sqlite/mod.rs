@@ -13,6 +13,7 @@
 mod access;
 mod journal;
 mod outbox;
+mod remote;
 mod retention;
 mod runs;
 mod schedules;

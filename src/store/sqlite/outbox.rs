@@ -34,7 +34,7 @@ pub(super) const INSERT_ITEM: &str =
      NOT EXISTS (SELECT 1 FROM outbox WHERE conversation_id = ?2
      AND state IN ('not_dispatched', 'possibly_dispatched')),
      ?11, ?11, ?15
-     WHERE ?14 IS NULL OR NOT EXISTS (SELECT 1 FROM outbox WHERE item_key = ?14)
+     WHERE ?14 IS NULL OR NOT EXISTS (SELECT 1 FROM outbox WHERE edits_key = ?14)
      ON CONFLICT (item_key) DO NOTHING";
 pub(super) const PROMOTE_HEAD: &str = "UPDATE outbox SET head = 1
      WHERE id = (SELECT id FROM outbox WHERE conversation_id = ?
@@ -163,7 +163,7 @@ pub(super) async fn insert_item(
     insert_item_unless(tx, item, None).await
 }
 
-/// Insert one item unless an item with `unless_key` exists.
+/// Insert one item unless an item that edits `unless_key` exists.
 async fn insert_item_unless(
     tx: &mut Transaction<'static, Sqlite>,
     item: &NewOutboxItem,
@@ -435,13 +435,9 @@ impl OutboxStore for SqliteStore {
         Ok(found.is_some())
     }
 
-    async fn outbox_enqueue_preview(
-        &self,
-        item: &NewOutboxItem,
-        unless_key: &str,
-    ) -> StoreResult<bool> {
+    async fn outbox_enqueue_preview(&self, item: &NewOutboxItem) -> StoreResult<bool> {
         let mut tx = self.begin_write().await?;
-        let added = insert_item_unless(&mut tx, item, Some(unless_key)).await?;
+        let added = insert_item_unless(&mut tx, item, Some(&item.item_key)).await?;
         tx.commit().await?;
         Ok(added)
     }

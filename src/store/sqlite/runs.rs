@@ -7,8 +7,8 @@ use sqlx::{Row, Sqlite, Transaction};
 use super::outbox::insert_item;
 use super::{SqliteStore, bad_value, thread_from_db, thread_to_db};
 use crate::store::{
-    Admit, AdmitOutcome, AdmitTarget, InputRow, ItemKind, NewOutboxItem, NewRun, RunFinish,
-    RunMode, RunRow, RunState, RunStore, StopOutcome, StopRequest, StoreResult,
+    Admit, AdmitOutcome, AdmitTarget, InputRow, ItemKind, NewOutboxItem, NewRun, RunEventRow,
+    RunFinish, RunMode, RunRow, RunState, RunStore, StopOutcome, StopRequest, StoreResult,
 };
 use crate::surface::SurfaceKind;
 
@@ -346,6 +346,19 @@ impl RunStore for SqliteStore {
                             finish.now,
                         )
                         .await?;
+                        // Every run has its terminal event, an absorbed
+                        // one too (naming the run that answered it).
+                        sqlx::query(TERMINAL_EVENT)
+                            .bind(*absorbed)
+                            .bind(conversation_id)
+                            .bind("absorbed")
+                            .bind(
+                                serde_json::json!({"state": "absorbed", "answered_by": finish.run_id})
+                                    .to_string(),
+                            )
+                            .bind(finish.now)
+                            .execute(&mut *tx)
+                            .await?;
                     }
                 }
             }
@@ -519,5 +532,134 @@ impl RunStore for SqliteStore {
         .fetch_optional(&self.reader)
         .await?;
         row.as_ref().map(run_from_row).transpose()
+    }
+
+    async fn runs_interrupt(
+        &self,
+        run_id: i64,
+        end_as: RunState,
+        reason: &str,
+        now: i64,
+    ) -> StoreResult<Option<RunState>> {
+        let mut tx = self.begin_write().await?;
+        let row = sqlx::query("SELECT state, conversation_id FROM runs WHERE id = ?")
+            .bind(run_id)
+            .fetch_optional(&mut *tx)
+            .await?;
+        let Some(row) = row else {
+            return Ok(None);
+        };
+        let state: String = row.try_get(0)?;
+        let conversation_id: i64 = row.try_get(1)?;
+        let state = RunState::parse(&state).ok_or_else(|| bad_value("state", &state))?;
+        let after = match state {
+            RunState::Queued => {
+                sqlx::query(
+                    "UPDATE runs SET state = 'cancelled', reason = ?, finished_at = ? WHERE id = ?",
+                )
+                .bind(reason)
+                .bind(now)
+                .bind(run_id)
+                .execute(&mut *tx)
+                .await?;
+                settle_inputs(&mut tx, run_id, "cancelled", reason, now).await?;
+                sqlx::query(TERMINAL_EVENT)
+                    .bind(run_id)
+                    .bind(conversation_id)
+                    .bind("cancelled")
+                    .bind(serde_json::json!({"state": "cancelled", "reason": reason}).to_string())
+                    .bind(now)
+                    .execute(&mut *tx)
+                    .await?;
+                RunState::Cancelled
+            }
+            RunState::Running => {
+                sqlx::query(REQUEST_INTERRUPT)
+                    .bind(end_as.as_str())
+                    .bind(None::<String>)
+                    .bind(run_id)
+                    .execute(&mut *tx)
+                    .await?;
+                RunState::InterruptRequested
+            }
+            other => other,
+        };
+        tx.commit().await?;
+        Ok(Some(after))
+    }
+
+    async fn run_events_after(&self, after: i64, limit: usize) -> StoreResult<Vec<RunEventRow>> {
+        let rows = sqlx::query(
+            "SELECT id, run_id, conversation_id, state, payload, created_at FROM run_events
+             WHERE id > ? ORDER BY id LIMIT ?",
+        )
+        .bind(after)
+        .bind(limit as i64)
+        .fetch_all(&self.reader)
+        .await?;
+        rows.iter()
+            .map(|row| {
+                let state: String = row.try_get("state")?;
+                Ok(RunEventRow {
+                    id: row.try_get("id")?,
+                    run_id: row.try_get("run_id")?,
+                    conversation_id: row.try_get("conversation_id")?,
+                    state: RunState::parse(&state).ok_or_else(|| bad_value("state", &state))?,
+                    payload: row.try_get("payload")?,
+                    created_at: row.try_get("created_at")?,
+                })
+            })
+            .collect()
+    }
+
+    async fn run_terminal_event(&self, run_id: i64) -> StoreResult<Option<i64>> {
+        Ok(sqlx::query_scalar(
+            "SELECT id FROM run_events WHERE run_id = ? ORDER BY id DESC LIMIT 1",
+        )
+        .bind(run_id)
+        .fetch_optional(&self.reader)
+        .await?)
+    }
+
+    async fn conversation_for_key(
+        &self,
+        account: &str,
+        key: &str,
+        surface: SurfaceKind,
+        now: i64,
+    ) -> StoreResult<i64> {
+        let mut tx = self.begin_write().await?;
+        let found: Option<i64> = sqlx::query_scalar(super::journal::FIND_CONVERSATION)
+            .bind(account)
+            .bind(key)
+            .bind("")
+            .fetch_optional(&mut *tx)
+            .await?;
+        let id = match found {
+            Some(id) => id,
+            None => {
+                sqlx::query_scalar(
+                    "INSERT INTO conversations (account, chat_id, thread_id, chat_kind, surface, created_at)
+                     VALUES (?, ?, '', 'private', ?, ?) RETURNING id",
+                )
+                .bind(account)
+                .bind(key)
+                .bind(surface.as_str())
+                .bind(now)
+                .fetch_one(&mut *tx)
+                .await?
+            }
+        };
+        tx.commit().await?;
+        Ok(id)
+    }
+
+    async fn conversation_key(&self, conversation_id: i64) -> StoreResult<Option<String>> {
+        Ok(
+            sqlx::query_scalar("SELECT chat_id FROM conversations WHERE id = ?")
+                .bind(conversation_id)
+                .fetch_optional(&self.reader)
+                .await?,
+        )
     }
 }
