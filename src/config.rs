@@ -1977,6 +1977,8 @@ impl ResolvedSurface {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StoreLocation {
     Sqlite(PathBuf),
+    /// A `postgres://` (or `postgresql://`) connection URL.
+    Postgres(String),
 }
 
 impl StoreConfig {
@@ -1989,8 +1991,11 @@ impl StoreConfig {
             }
             return Ok(StoreLocation::Sqlite(PathBuf::from(path)));
         }
+        if self.url.starts_with("postgres://") || self.url.starts_with("postgresql://") {
+            return Ok(StoreLocation::Postgres(self.url.clone()));
+        }
         Err(format!(
-            "{:?} is not a supported store URL; use \"sqlite://PATH\"",
+            "{:?} is not a supported store URL; use \"sqlite://PATH\" or \"postgres://USER@HOST:PORT/DB\"",
             self.url
         ))
     }

@@ -58,6 +58,19 @@ pub fn notice_item_key(inbound_id: i64, what: &str) -> String {
     format!("in-{inbound_id}-{what}")
 }
 
+/// The lease a process holds while it owns a conversation's lane (several
+/// processes on one store). `journal_pending_for` spells the same name in
+/// SQL (`'lane:' || conversation_id`).
+pub fn lane_lease(conversation_id: i64) -> String {
+    format!("lane:{conversation_id}")
+}
+
+/// The lease of the one process that polls a Telegram bot (`getUpdates`
+/// answers 409 to a second poller).
+pub fn poller_lease(account: &str) -> String {
+    format!("poller:{account}")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

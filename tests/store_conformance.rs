@@ -4,6 +4,8 @@
 
 use std::sync::Arc;
 
+mod pg;
+
 use switchboard::config::{StoreConfig, Synchronous};
 use switchboard::store::sqlite::OpenMode;
 use switchboard::store::{self, SharedStore};
@@ -1527,7 +1529,9 @@ macro_rules! conformance {
             $(
                 #[tokio::test]
                 async fn $test() {
-                    let (store, _guard) = super::$open().await;
+                    let Some((store, _guard)) = super::$open().await else {
+                        return;
+                    };
                     super::suite::$test(store.clone()).await;
                     store.close().await;
                 }
@@ -1536,7 +1540,7 @@ macro_rules! conformance {
     };
 }
 
-async fn open_sqlite() -> (SharedStore, Arc<tempfile::TempDir>) {
+async fn open_sqlite() -> Option<(SharedStore, Arc<tempfile::TempDir>)> {
     let dir = Arc::new(tempfile::tempdir().unwrap());
     let config = StoreConfig {
         url: format!("sqlite://{}", dir.path().join("store.db").display()),
@@ -1544,10 +1548,22 @@ async fn open_sqlite() -> (SharedStore, Arc<tempfile::TempDir>) {
         batch_size: 512,
     };
     let store = store::open(&config, OpenMode::Daemon).await.unwrap();
-    (store, dir)
+    Some((store, dir))
 }
 
-conformance!(sqlite, open_sqlite;
+async fn open_postgres() -> Option<(SharedStore, ())> {
+    let url = pg::fresh_database().await?;
+    let config = StoreConfig {
+        url,
+        synchronous: Synchronous::Full,
+        batch_size: 512,
+    };
+    Some((store::open(&config, OpenMode::Daemon).await.unwrap(), ()))
+}
+
+macro_rules! every_test {
+    ($backend:ident, $open:ident) => {
+        conformance!($backend, $open;
     journal_deduplicates_within_and_across_batches,
     journal_resolves_conversations_by_chat_and_thread,
     journal_pending_in_order_and_admission_settles,
@@ -1576,11 +1592,16 @@ conformance!(sqlite, open_sqlite;
     chats_and_accounts_are_remembered,
     chat_migration_moves_conversations_replies_and_access,
     retention_prunes_old_settled_data_in_bounded_batches,
-);
+        );
+    };
+}
+
+every_test!(sqlite, open_sqlite);
+every_test!(postgres, open_postgres);
 
 #[tokio::test]
 async fn sqlite_refuses_a_second_daemon_on_the_same_file() {
-    let (first, dir) = open_sqlite().await;
+    let (first, dir) = open_sqlite().await.unwrap();
     let config = StoreConfig {
         url: format!("sqlite://{}", dir.path().join("store.db").display()),
         synchronous: Synchronous::Full,

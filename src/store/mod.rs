@@ -15,6 +15,7 @@
 //!   token: a write with a stale token changes nothing and reports `false`.
 
 pub mod batch;
+pub mod postgres;
 pub mod sqlite;
 mod types;
 
@@ -49,6 +50,18 @@ pub trait JournalStore: Send + Sync {
 
     /// Rows not yet handed to a runtime, oldest first.
     async fn journal_pending(&self, limit: usize) -> StoreResult<Vec<InboundRow>>;
+
+    /// [`journal_pending`](Self::journal_pending) for one of several
+    /// processes on a shared store: rows of conversations whose lane lease
+    /// ([`crate::keys::lane_lease`]) another owner holds unexpired at `now`
+    /// are left out, so a busy conversation owned elsewhere does not fill
+    /// this process's window.
+    async fn journal_pending_for(
+        &self,
+        owner: &str,
+        now: i64,
+        limit: usize,
+    ) -> StoreResult<Vec<InboundRow>>;
 
     /// Record admissions (run ids) in one transaction. Only rows still
     /// `pending` change.
@@ -116,6 +129,10 @@ pub trait RunStore: Send + Sync {
     /// Runs not yet terminal with an id above `after_id`, in id order (a
     /// page of the recovery scan).
     async fn runs_unfinished(&self, after_id: i64, limit: usize) -> StoreResult<Vec<RunRow>>;
+
+    /// One conversation's runs not yet terminal, in id order (a process
+    /// taking over the conversation's lane from one that died).
+    async fn runs_unfinished_in(&self, conversation_id: i64) -> StoreResult<Vec<RunRow>>;
 
     /// The inputs a run owns, in admission order.
     async fn run_inputs(&self, run_id: i64) -> StoreResult<Vec<InputRow>>;
@@ -406,6 +423,27 @@ pub trait RemoteStore: Send + Sync {
     ) -> StoreResult<()>;
 }
 
+/// Single-active roles shared between processes (a Telegram bot's poller,
+/// one conversation's lane in the built-in runtime). A lease has one owner
+/// until it expires; the owner renews it by acquiring again. Each change of
+/// owner raises the token, so a holder can tell it was taken over.
+#[async_trait]
+pub trait LeaseStore: Send + Sync {
+    /// Take or renew `name` for `owner` until `now + ttl_ms`. Returns the
+    /// lease's token when `owner` holds it afterwards, `None` when another
+    /// owner holds an unexpired lease.
+    async fn lease_acquire(
+        &self,
+        name: &str,
+        owner: &str,
+        ttl_ms: i64,
+        now: i64,
+    ) -> StoreResult<Option<i64>>;
+
+    /// Give up `name` if `owner` holds it (a no-op otherwise).
+    async fn lease_release(&self, name: &str, owner: &str) -> StoreResult<()>;
+}
+
 /// Retention: pruning old personal data in bounded batches, and purging
 /// one conversation on request.
 #[async_trait]
@@ -424,7 +462,14 @@ pub trait RetentionStore: Send + Sync {
 /// Everything durable.
 #[async_trait]
 pub trait Store:
-    JournalStore + RunStore + OutboxStore + ScheduleStore + AccessStore + RetentionStore + RemoteStore
+    JournalStore
+    + RunStore
+    + OutboxStore
+    + ScheduleStore
+    + AccessStore
+    + RetentionStore
+    + RemoteStore
+    + LeaseStore
 {
     /// A short description for logs (`sqlite:data/switchboard.db`).
     fn describe(&self) -> String;
@@ -447,6 +492,10 @@ pub async fn open(config: &StoreConfig, mode: sqlite::OpenMode) -> StoreResult<S
     match config.location().map_err(StoreError::Other)? {
         StoreLocation::Sqlite(path) => {
             let store = sqlite::SqliteStore::open(&path, config.synchronous, mode).await?;
+            Ok(Arc::new(store))
+        }
+        StoreLocation::Postgres(url) => {
+            let store = postgres::PgStore::open(&url, mode).await?;
             Ok(Arc::new(store))
         }
     }

@@ -23,9 +23,23 @@ pub const BIN: &str = env!("CARGO_BIN_EXE_switchboard");
 
 /// A port that was free a moment ago. The daemon binds it by number so a
 /// restarted process comes back on the same address.
+///
+/// Ports come from 20000..32000, below Linux's ephemeral range
+/// (32768..60999): a port handed out by `bind(0)` or used as the source of
+/// an outgoing connection can then never be the one a daemon is about to
+/// bind (CI once lost a test to exactly that race). A per-process start and
+/// an atomic counter keep parallel tests and test binaries apart.
 pub fn free_port() -> u16 {
-    let l = StdListener::bind("127.0.0.1:0").expect("binding port 0");
-    l.local_addr().unwrap().port()
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let start = (std::process::id() * 97) % 12000;
+    loop {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = 20000 + ((start + n) % 12000) as u16;
+        if StdListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
 }
 
 /// One reply as the receiver saw it.

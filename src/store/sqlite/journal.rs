@@ -31,6 +31,15 @@ pub(super) const PENDING: &str = concat!(
     inbound_select!(),
     "WHERE i.disposition = 'pending' ORDER BY i.id LIMIT ?"
 );
+// The lease name is `keys::lane_lease`.
+pub(super) const PENDING_FOR: &str = concat!(
+    inbound_select!(),
+    "WHERE i.disposition = 'pending'
+       AND NOT EXISTS (SELECT 1 FROM leases l
+                       WHERE l.name = 'lane:' || i.conversation_id
+                         AND l.owner <> ?1 AND l.expires_at > ?2)
+     ORDER BY i.id LIMIT ?3"
+);
 // Not a per-message path: it runs once per gateway session. It reads the
 // account's open conversations through conversations_current and one row
 // each through inbound_by_conversation, then sorts them (a temporary B-tree
@@ -209,6 +218,21 @@ impl JournalStore for SqliteStore {
 
     async fn journal_pending(&self, limit: usize) -> StoreResult<Vec<InboundRow>> {
         let rows = sqlx::query(PENDING)
+            .bind(limit as i64)
+            .fetch_all(&self.reader)
+            .await?;
+        rows.iter().map(inbound_from_row).collect()
+    }
+
+    async fn journal_pending_for(
+        &self,
+        owner: &str,
+        now: i64,
+        limit: usize,
+    ) -> StoreResult<Vec<InboundRow>> {
+        let rows = sqlx::query(PENDING_FOR)
+            .bind(owner)
+            .bind(now)
             .bind(limit as i64)
             .fetch_all(&self.reader)
             .await?;

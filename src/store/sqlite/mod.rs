@@ -12,6 +12,7 @@
 
 mod access;
 mod journal;
+mod leases;
 mod outbox;
 mod remote;
 mod retention;

@@ -57,6 +57,12 @@ pub(super) const UNFINISHED: &str = concat!(
     " FROM runs WHERE state IN ('queued', 'running', 'interrupt_requested') AND id > ?
       ORDER BY id LIMIT ?"
 );
+pub(super) const UNFINISHED_IN: &str = concat!(
+    "SELECT ",
+    run_columns!(),
+    " FROM runs WHERE conversation_id = ? AND state IN ('queued', 'running', 'interrupt_requested')
+      ORDER BY id"
+);
 pub(super) const HISTORY: &str = concat!(
     "SELECT ",
     run_columns!(),
@@ -453,6 +459,14 @@ impl RunStore for SqliteStore {
         let rows = sqlx::query(UNFINISHED)
             .bind(after_id)
             .bind(limit as i64)
+            .fetch_all(&self.reader)
+            .await?;
+        rows.iter().map(run_from_row).collect()
+    }
+
+    async fn runs_unfinished_in(&self, conversation_id: i64) -> StoreResult<Vec<RunRow>> {
+        let rows = sqlx::query(UNFINISHED_IN)
+            .bind(conversation_id)
             .fetch_all(&self.reader)
             .await?;
         rows.iter().map(run_from_row).collect()
