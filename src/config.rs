@@ -318,6 +318,13 @@ pub struct StoreConfig {
     /// Largest number of journal rows one group commit writes.
     #[serde(default = "default_batch_size")]
     pub batch_size: usize,
+    /// Several processes on one PostgreSQL database: how long a process
+    /// owns a conversation's lane (built-in runtime) or a single-active role
+    /// (a bot's Telegram poller) without renewing it. A process that dies is
+    /// replaced within this time (the poller within this plus 5 s). Renewed
+    /// every third of it. Unused with SQLite (one process owns the file).
+    #[serde(default = "default_store_lease_secs")]
+    pub lease_secs: u64,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
@@ -334,8 +341,13 @@ impl Default for StoreConfig {
             url: default_store_url(),
             synchronous: Synchronous::Full,
             batch_size: default_batch_size(),
+            lease_secs: default_store_lease_secs(),
         }
     }
+}
+
+fn default_store_lease_secs() -> u64 {
+    15
 }
 
 fn default_store_url() -> String {

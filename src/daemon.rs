@@ -28,6 +28,7 @@ use tokio_util::sync::CancellationToken;
 use crate::clock::{SharedClock, SystemClock};
 use crate::config::{ChannelConfig, Config, RuntimeConfig, parse_listen};
 use crate::ingress::{AccountInfo, Ingress};
+use crate::lanes::Lanes;
 use crate::observe::{Observer, SharedObserver};
 use crate::outbox::ChatLocks;
 use crate::outbox::dispatcher::Dispatcher;
@@ -70,6 +71,11 @@ pub struct Daemon {
     dispatch_stop: CancellationToken,
     dispatch_deadline: CancellationToken,
     dispatcher: JoinHandle<usize>,
+    /// Lane leases (shared store): renewed until the runtimes closed, then
+    /// released so other processes take over at once.
+    lanes: Arc<Lanes>,
+    lanes_stop: CancellationToken,
+    lanes_task: JoinHandle<()>,
 }
 
 /// How a shutdown went.
@@ -226,6 +232,8 @@ impl Daemon {
             clock.clone(),
             observer.clone(),
             submitter_wake.clone(),
+            owner.clone(),
+            Duration::from_secs(config.store.lease_secs),
         );
 
         // Listeners.
@@ -337,7 +345,17 @@ impl Daemon {
                 .await
                 .context("registering channel accounts")?;
         }
+        let lanes = Lanes::new(
+            store.clone(),
+            owner.clone(),
+            Duration::from_secs(config.store.lease_secs),
+            clock.clone(),
+            runtimes.values().cloned().collect(),
+        );
+        let lanes_stop = CancellationToken::new();
+        let lanes_task = tokio::spawn(lanes.clone().run(lanes_stop.clone()));
         let scheduler = Scheduler {
+            lanes: lanes.clone(),
             store: store.clone(),
             runtimes: runtimes.clone(),
             accounts: account_names.clone(),
@@ -349,6 +367,7 @@ impl Daemon {
             owner: owner.clone(),
         };
         let submitter = Submitter {
+            lanes: lanes.clone(),
             store: store.clone(),
             runtimes: runtimes.clone(),
             accounts: account_names,
@@ -411,8 +430,13 @@ impl Daemon {
         let submitter = {
             let stop = workers_stop.clone();
             let runtimes = runtime_list.clone();
+            let recovery_store_for_runs = store.clone();
             tokio::spawn(async move {
-                for runtime in &runtimes {
+                // On a shared store the lanes of the built-in runtime are
+                // taken over one by one as their leases run out
+                // (crate::lanes); the other runtimes recover here.
+                let shared = !recovery_store_for_runs.single_process();
+                for runtime in runtimes.iter().filter(|r| !(shared && r.owns_lanes())) {
                     match runtime.recover().await {
                         Ok(0) => {}
                         Ok(n) => tracing::info!(
@@ -482,6 +506,9 @@ impl Daemon {
             dispatch_stop,
             dispatch_deadline,
             dispatcher,
+            lanes,
+            lanes_stop,
+            lanes_task,
         })
     }
 
@@ -538,6 +565,9 @@ impl Daemon {
             .map(|r| r.close(grace, force))
             .collect::<Vec<_>>();
         let reports = futures::future::join_all(closes).await;
+        self.lanes_stop.cancel();
+        let _ = self.lanes_task.await;
+        self.lanes.release_all().await;
         let runs_left: usize = reports.iter().map(|r| r.remaining).sum();
         let runs_settled = reports.iter().all(|r| r.settled);
         self.dispatch_stop.cancel();

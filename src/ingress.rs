@@ -9,6 +9,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use switchboard_channel::{
@@ -44,6 +45,10 @@ pub struct Ingress {
     clock: SharedClock,
     observer: SharedObserver,
     submitter_wake: Arc<Notify>,
+    /// This process's name in leases, and how long a single-active role
+    /// (a bot's Telegram poller) is held without renewal.
+    owner: String,
+    role_ttl: Duration,
 }
 
 impl Ingress {
@@ -56,6 +61,8 @@ impl Ingress {
         clock: SharedClock,
         observer: SharedObserver,
         submitter_wake: Arc<Notify>,
+        owner: String,
+        role_ttl: Duration,
     ) -> (Arc<Ingress>, tokio::task::JoinHandle<()>) {
         let writer = store.clone();
         let (journal, task) =
@@ -71,6 +78,8 @@ impl Ingress {
             clock,
             observer,
             submitter_wake,
+            owner,
+            role_ttl,
         });
         (ingress, task)
     }
@@ -207,7 +216,7 @@ impl IngressSink for Ingress {
     async fn recent_chats(
         &self,
         account: &str,
-        within: std::time::Duration,
+        within: Duration,
         limit: usize,
     ) -> Result<Vec<RecentChat>, IngressError> {
         let info = self
@@ -228,6 +237,35 @@ impl IngressSink for Ingress {
                 last_message_id: c.last_message_id,
             })
             .collect())
+    }
+
+    async fn hold_role(&self, role: &str) -> Result<bool, IngressError> {
+        if self.store.single_process() {
+            return Ok(true);
+        }
+        self.store
+            .lease_acquire(
+                role,
+                &self.owner,
+                self.role_ttl.as_millis() as i64,
+                self.clock.now_ms(),
+            )
+            .await
+            .map(|token| token.is_some())
+            .map_err(|e| IngressError::Store(e.to_string()))
+    }
+
+    fn role_renewal(&self) -> Duration {
+        self.role_ttl / 3
+    }
+
+    async fn release_role(&self, role: &str) {
+        if self.store.single_process() {
+            return;
+        }
+        if let Err(e) = self.store.lease_release(role, &self.owner).await {
+            tracing::warn!(role, error = %e, "could not release a role; its lease runs out by itself");
+        }
     }
 
     fn report_status(&self, account: &str, status: AccountStatus) {

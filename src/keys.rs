@@ -65,12 +65,6 @@ pub fn lane_lease(conversation_id: i64) -> String {
     format!("lane:{conversation_id}")
 }
 
-/// The lease of the one process that polls a Telegram bot (`getUpdates`
-/// answers 409 to a second poller).
-pub fn poller_lease(account: &str) -> String {
-    format!("poller:{account}")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

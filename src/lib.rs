@@ -36,6 +36,7 @@ pub mod demo;
 pub mod doctor;
 pub mod ingress;
 pub mod keys;
+pub mod lanes;
 pub mod observe;
 pub mod outbox;
 pub mod retention;

@@ -25,6 +25,7 @@ use crate::clock::SharedClock;
 use crate::commands::{self, Command};
 use crate::config::Config;
 use crate::keys;
+use crate::lanes::Lanes;
 use crate::observe::SharedObserver;
 use crate::runtime::{Input, Runtime, Stop, Submission, SubmitError};
 use crate::schedule;
@@ -34,6 +35,10 @@ use crate::store::{
 
 /// How often the submitter looks at the journal when nothing woke it.
 const IDLE_POLL: Duration = Duration::from_secs(1);
+
+/// The same on a shared store, where rows journaled by other processes
+/// wake nobody here.
+const SHARED_IDLE_POLL: Duration = Duration::from_millis(250);
 
 pub struct Submitter {
     pub store: SharedStore,
@@ -53,6 +58,9 @@ pub struct Submitter {
     /// store identity. The rules themselves are read from the live config
     /// for every row, so a reload (SIGHUP) changes them at once.
     pub access: HashMap<String, switchboard_channel::Platform>,
+    /// Lane ownership among processes sharing the store: rows of a
+    /// conversation are only submitted by the process holding its lane.
+    pub lanes: Arc<Lanes>,
 }
 
 /// What one round achieved.
@@ -110,6 +118,8 @@ impl Submitter {
             }
             let pause = if round.deferred > 0 && !progressed {
                 retry
+            } else if self.lanes.shared() {
+                SHARED_IDLE_POLL
             } else {
                 IDLE_POLL
             };
@@ -123,10 +133,15 @@ impl Submitter {
 
     /// One pass over the oldest pending rows.
     async fn round(&self, waiting: &mut Waiting) -> Result<Round, StoreError> {
-        let rows = self
-            .store
-            .journal_pending(self.config.submitter.batch_size)
-            .await?;
+        let limit = self.config.submitter.batch_size;
+        let rows = if self.lanes.shared() {
+            let now = self.clock.now_ms();
+            self.store
+                .journal_pending_for(self.lanes.owner(), now, limit)
+                .await?
+        } else {
+            self.store.journal_pending(limit).await?
+        };
         let mut round = Round {
             read: rows.len(),
             ..Round::default()
@@ -141,6 +156,12 @@ impl Submitter {
         for row in rows {
             if blocked.contains(&row.conversation_id) {
                 round.deferred += 1;
+                continue;
+            }
+            if !self.lanes.hold(row.conversation_id).await? {
+                // Another process serves this conversation now; it reads
+                // the row from the shared journal.
+                blocked.insert(row.conversation_id);
                 continue;
             }
             let Some((_, runtime_name)) = self.accounts.get(&row.account) else {

@@ -183,6 +183,7 @@ impl Harness {
                 url: format!("sqlite://{}", dir.path().join("o.db").display()),
                 synchronous: Synchronous::Full,
                 batch_size: 512,
+                ..Default::default()
             },
             OpenMode::Daemon,
         )

@@ -30,6 +30,7 @@ async fn store(dir: &std::path::Path) -> SharedStore {
             url: format!("sqlite://{}", dir.join("s.db").display()),
             synchronous: Synchronous::Full,
             batch_size: 64,
+            ..Default::default()
         },
         OpenMode::Daemon,
     )
@@ -228,7 +229,15 @@ async fn a_message_waiting_on_an_unreachable_runtime_gets_one_notice_and_is_answ
         deltas: broadcast::channel(1).0,
     });
     let runtime: Arc<dyn Runtime> = flaky.clone();
+    let lanes = switchboard::lanes::Lanes::new(
+        store.clone(),
+        "test".into(),
+        Duration::from_secs(15),
+        Arc::new(SystemClock),
+        vec![runtime.clone()],
+    );
     let submitter = Submitter {
+        lanes,
         store: store.clone(),
         runtimes: [("default".to_owned(), runtime)].into_iter().collect(),
         accounts: [(

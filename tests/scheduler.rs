@@ -113,6 +113,7 @@ impl Bench {
                 url: format!("sqlite://{}", dir.path().join("s.db").display()),
                 synchronous: Synchronous::Full,
                 batch_size: 64,
+                ..Default::default()
             },
             OpenMode::Daemon,
         )
@@ -147,6 +148,13 @@ impl Bench {
         let runtime: Arc<dyn Runtime> = self.runtime.clone();
         let clock: SharedClock = self.clock.clone();
         Scheduler {
+            lanes: switchboard::lanes::Lanes::new(
+                self.store.clone(),
+                owner.to_owned(),
+                Duration::from_secs(15),
+                clock.clone(),
+                vec![runtime.clone()],
+            ),
             store: self.store.clone(),
             runtimes: [("default".to_owned(), runtime)].into_iter().collect(),
             accounts: [(

@@ -407,6 +407,152 @@ mod suite {
         assert_eq!(all, expected);
     }
 
+    pub async fn runs_unfinished_in_one_conversation(store: SharedStore) {
+        let runs = store
+            .runs_admit(&[new_run("a1", 1), new_run("b1", 2), new_run("a2", 1)])
+            .await
+            .unwrap();
+        store
+            .runs_finish(&[finish(runs[0].run_id, "a1", "done")])
+            .await
+            .unwrap();
+        let of_1: Vec<i64> = store
+            .runs_unfinished_in(1)
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.id)
+            .collect();
+        assert_eq!(
+            of_1,
+            [runs[2].run_id],
+            "finished runs and other conversations are left out"
+        );
+        assert!(store.runs_unfinished_in(3).await.unwrap().is_empty());
+    }
+
+    pub async fn leases_expire_and_fence_takeovers(store: SharedStore) {
+        let t1 = store
+            .lease_acquire("poller:x", "a", 1_000, 0)
+            .await
+            .unwrap();
+        assert_eq!(t1, Some(1), "a free lease is taken with the first token");
+        assert_eq!(
+            store
+                .lease_acquire("poller:x", "b", 1_000, 500)
+                .await
+                .unwrap(),
+            None,
+            "held and unexpired: another owner is refused"
+        );
+        assert_eq!(
+            store
+                .lease_acquire("poller:x", "a", 1_000, 900)
+                .await
+                .unwrap(),
+            Some(1),
+            "the owner renews under the same token"
+        );
+        assert_eq!(
+            store
+                .lease_acquire("poller:x", "b", 1_000, 1_800)
+                .await
+                .unwrap(),
+            None,
+            "the renewal moved the expiry to 1900"
+        );
+        assert_eq!(
+            store
+                .lease_acquire("poller:x", "b", 1_000, 1_900)
+                .await
+                .unwrap(),
+            Some(2),
+            "expired: another owner takes over with a newer token"
+        );
+        assert_eq!(
+            store
+                .lease_acquire("poller:x", "a", 1_000, 2_000)
+                .await
+                .unwrap(),
+            None,
+            "the old owner cannot take it back while the new one holds it"
+        );
+        assert_eq!(
+            store
+                .lease_acquire("poller:y", "a", 1_000, 2_000)
+                .await
+                .unwrap(),
+            Some(1),
+            "leases are independent by name"
+        );
+        store.lease_release("poller:x", "a").await.unwrap();
+        assert_eq!(
+            store
+                .lease_acquire("poller:x", "a", 1_000, 2_100)
+                .await
+                .unwrap(),
+            None,
+            "only the holder can release"
+        );
+        store.lease_release("poller:x", "b").await.unwrap();
+        assert!(
+            store
+                .lease_acquire("poller:x", "a", 1_000, 2_100)
+                .await
+                .unwrap()
+                .is_some(),
+            "released: free at once"
+        );
+    }
+
+    pub async fn journal_pending_for_skips_lanes_held_elsewhere(store: SharedStore) {
+        let out = store
+            .journal_insert(&[
+                inbound("webhook:a", "1", "c1", None),
+                inbound("webhook:a", "2", "c2", None),
+                inbound("webhook:a", "3", "c3", None),
+            ])
+            .await
+            .unwrap();
+        let conv: Vec<i64> = out.into_iter().map(|o| ids(o).2).collect();
+        let lane = |i: usize| switchboard::keys::lane_lease(conv[i]);
+        assert!(
+            store
+                .lease_acquire(&lane(0), "other", 1_000, 0)
+                .await
+                .unwrap()
+                .is_some()
+        );
+        assert!(
+            store
+                .lease_acquire(&lane(1), "me", 1_000, 0)
+                .await
+                .unwrap()
+                .is_some()
+        );
+        let keys =
+            |rows: Vec<InboundRow>| rows.into_iter().map(|r| r.update_key).collect::<Vec<_>>();
+        assert_eq!(
+            keys(store.journal_pending_for("me", 500, 10).await.unwrap()),
+            ["2", "3"],
+            "rows of a lane another process holds are left to it; own and free lanes are read"
+        );
+        assert_eq!(
+            keys(store.journal_pending_for("other", 500, 10).await.unwrap()),
+            ["1", "3"]
+        );
+        assert_eq!(
+            keys(store.journal_pending_for("me", 1_000, 10).await.unwrap()),
+            ["1", "2", "3"],
+            "an expired lease holds nothing back"
+        );
+        assert_eq!(
+            keys(store.journal_pending_for("me", 1_000, 2).await.unwrap()),
+            ["1", "2"],
+            "bounded by the limit"
+        );
+    }
+
     pub async fn runs_absorb_only_when_completing(store: SharedStore) {
         let out = store
             .runs_admit(&[
@@ -1546,6 +1692,7 @@ async fn open_sqlite() -> Option<(SharedStore, Arc<tempfile::TempDir>)> {
         url: format!("sqlite://{}", dir.path().join("store.db").display()),
         synchronous: Synchronous::Full,
         batch_size: 512,
+        ..Default::default()
     };
     let store = store::open(&config, OpenMode::Daemon).await.unwrap();
     Some((store, dir))
@@ -1557,6 +1704,7 @@ async fn open_postgres() -> Option<(SharedStore, ())> {
         url,
         synchronous: Synchronous::Full,
         batch_size: 512,
+        ..Default::default()
     };
     Some((store::open(&config, OpenMode::Daemon).await.unwrap(), ()))
 }
@@ -1576,6 +1724,9 @@ macro_rules! every_test {
     journal_new_closes_the_conversation,
     runs_finish_writes_reply_items_once,
     runs_unfinished_pages_in_id_order,
+    runs_unfinished_in_one_conversation,
+    leases_expire_and_fence_takeovers,
+    journal_pending_for_skips_lanes_held_elsewhere,
     outbox_ordinals_and_duplicate_keys,
     outbox_claims_only_lane_heads,
     outbox_claim_respects_limit_and_due_time,
@@ -1606,6 +1757,7 @@ async fn sqlite_refuses_a_second_daemon_on_the_same_file() {
         url: format!("sqlite://{}", dir.path().join("store.db").display()),
         synchronous: Synchronous::Full,
         batch_size: 512,
+        ..Default::default()
     };
     let err = store::open(&config, OpenMode::Daemon)
         .await

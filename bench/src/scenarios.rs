@@ -58,6 +58,7 @@ pub async fn open_store(dir: &std::path::Path) -> anyhow::Result<SharedStore> {
             url: format!("sqlite://{}", dir.join("bench.db").display()),
             synchronous: Synchronous::Full,
             batch_size: 512,
+            ..Default::default()
         },
         OpenMode::Daemon,
     )

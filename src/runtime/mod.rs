@@ -185,6 +185,28 @@ pub trait Runtime: Send + Sync {
     /// how many runs were resumed.
     async fn recover(&self) -> Result<usize, String>;
 
+    /// Whether this runtime keeps per-conversation lanes in this process.
+    /// Processes sharing a store then own each lane one at a time
+    /// ([`crate::lanes`]), and work a dead process left is picked up lane
+    /// by lane with [`Runtime::adopt`] instead of by [`Runtime::recover`].
+    fn owns_lanes(&self) -> bool {
+        false
+    }
+
+    /// Take over the unfinished runs of one conversation whose lane this
+    /// process has just acquired (queued runs resume in order, running ones
+    /// are re-run or interrupted as `recover` does). Runs this process
+    /// already has are left alone. Returns how many were taken over.
+    async fn adopt(&self, _conversation_id: i64) -> Result<usize, String> {
+        Ok(0)
+    }
+
+    /// Whether the conversation has a run in flight or queued here (its
+    /// lane must stay owned).
+    fn busy(&self, _conversation_id: i64) -> bool {
+        false
+    }
+
     /// Stop: no new runs, `grace` for the ones in flight, then abort with
     /// reason `shutdown` and wait at most `force`.
     async fn close(&self, grace: Duration, force: Duration) -> CloseReport;

@@ -190,6 +190,9 @@ pub struct WorkReport {
 }
 
 /// The scheduler worker.
+/// How soon a prompt whose lane another process holds is tried again.
+const LANE_BUSY_RETRY_MS: i64 = 1_000;
+
 pub struct Scheduler {
     pub store: SharedStore,
     /// Runtimes by configured name.
@@ -204,6 +207,9 @@ pub struct Scheduler {
     pub wake: Arc<Notify>,
     /// This process's name in leases.
     pub owner: String,
+    /// Lane ownership among processes sharing the store: a prompt enters a
+    /// conversation only through the process holding its lane.
+    pub lanes: Arc<crate::lanes::Lanes>,
 }
 
 impl Scheduler {
@@ -298,6 +304,7 @@ impl Scheduler {
             let outcome = match &fire {
                 Fire::Fired { .. } => "fired",
                 Fire::Retry { .. } => "retry",
+                Fire::Defer { .. } => "deferred",
                 Fire::Failed { .. } => "failed",
             };
             let now = self.clock.now_ms();
@@ -323,6 +330,9 @@ impl Scheduler {
                     Fire::Retry { reason, .. } => {
                         report.retried += 1;
                         tracing::warn!(schedule = schedule.id, occurrence = %occurrence.key, %reason, "occurrence will be retried");
+                    }
+                    Fire::Defer { reason, .. } => {
+                        tracing::debug!(schedule = schedule.id, occurrence = %occurrence.key, %reason, "occurrence deferred");
                     }
                     Fire::Failed { reason } => {
                         report.failed += 1;
@@ -514,6 +524,19 @@ impl Scheduler {
                     max_queued_inputs: schedule_surface.max_queued_inputs,
                     soft_interrupt: schedule_surface.soft_interrupt,
                 };
+                match self.lanes.hold(conversation_id).await {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        // Another process serves the conversation now; this
+                        // is not an attempt, so a busy lane never uses up
+                        // the occurrence's retries.
+                        return Fire::Defer {
+                            next_attempt_at: now + LANE_BUSY_RETRY_MS,
+                            reason: "another process holds the conversation's lane".into(),
+                        };
+                    }
+                    Err(e) => return retry_or_fail(format!("could not take the lane: {e}")),
+                }
                 match runtime.submit(vec![submission]).await.into_iter().next() {
                     Some(Ok(admission)) => Fire::Fired {
                         run_id: Some(admission.run_id),

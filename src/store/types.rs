@@ -684,6 +684,12 @@ pub enum Fire {
         next_attempt_at: i64,
         reason: String,
     },
+    /// Not attempted (another process serves the target conversation's
+    /// lane): try again later without counting an attempt.
+    Defer {
+        next_attempt_at: i64,
+        reason: String,
+    },
     /// Out of attempts or refused for good.
     Failed { reason: String },
 }

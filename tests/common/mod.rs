@@ -480,6 +480,7 @@ pub async fn open_store(dir: &Path) -> switchboard::store::SharedStore {
         url: format!("sqlite://{}", dir.join("switchboard.db").display()),
         synchronous: switchboard::config::Synchronous::Full,
         batch_size: 64,
+        ..Default::default()
     };
     switchboard::store::open(&config, switchboard::store::sqlite::OpenMode::Tool)
         .await

@@ -252,6 +252,26 @@ pub trait IngressSink: Send + Sync {
         let _ = (account, status);
     }
 
+    /// Hold the single-active role `role` (such as a bot's poller) for
+    /// this process: `Ok(true)` while it is this process's. Processes that
+    /// share a store take turns through a lease with a fencing token; call
+    /// again at least every [`IngressSink::role_renewal`] to keep it. With a
+    /// store one process owns, every role is always this process's.
+    async fn hold_role(&self, role: &str) -> Result<bool, IngressError> {
+        let _ = role;
+        Ok(true)
+    }
+
+    /// How often a held role must be renewed.
+    fn role_renewal(&self) -> Duration {
+        Duration::from_secs(5)
+    }
+
+    /// Give a role up (stopping), so another process takes it at once.
+    async fn release_role(&self, role: &str) {
+        let _ = role;
+    }
+
     /// The account's chats with journaled updates received within `within`,
     /// most recently active first, at most `limit`, each with the platform
     /// message id of its latest journaled update: what a channel that cannot

@@ -47,6 +47,10 @@ use teloxide::types::{
 use teloxide::{ApiError, Bot, RequestError};
 use tokio_util::sync::CancellationToken;
 
+/// How often a process standing by for a bot's poller role asks again: a
+/// dead poller is replaced within its lease plus this.
+const POLLER_STANDBY_RETRY: Duration = Duration::from_secs(5);
+
 pub use convert::{BotContext, Edits};
 
 /// The public Bot API.
@@ -375,6 +379,45 @@ impl TelegramChannel {
         }
     }
 
+    /// Wait until this process holds the bot's poller role (standing by,
+    /// and saying so, while another process polls). `false` when stopping.
+    async fn hold_poller(
+        &self,
+        sink: &dyn IngressSink,
+        role: &str,
+        username: &str,
+        stop: &CancellationToken,
+    ) -> bool {
+        let account = &self.settings.account;
+        let mut standing_by = false;
+        loop {
+            match sink.hold_role(role).await {
+                Ok(true) => {
+                    if standing_by {
+                        tracing::info!(account = %account, "took over polling from another process");
+                    }
+                    return true;
+                }
+                Ok(false) if !standing_by => {
+                    standing_by = true;
+                    sink.report_status(
+                        account,
+                        AccountStatus::Up(format!(
+                            "standing by: another process polls @{username}"
+                        )),
+                    );
+                }
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!(account = %account, error = %e, "could not check the poller role; retrying");
+                }
+            }
+            if sleep_or_stop(POLLER_STANDBY_RETRY, stop).await {
+                return false;
+            }
+        }
+    }
+
     /// The long-polling loop. The offset only moves past an update once its
     /// journal row is committed, so an update is never confirmed to Telegram
     /// before it is ours; after a crash Telegram sends the unconfirmed ones
@@ -392,18 +435,48 @@ impl TelegramChannel {
         {
             tracing::warn!(account = %account, error = %e, "deleteWebhook failed; getUpdates will say if a webhook is still set");
         }
+        // Exactly one process polls a bot (Telegram answers 409 to a second
+        // poller): processes sharing a store take turns through this role.
+        let role = format!("poller:{}", self.identity);
         let mut offset: i64 = 0;
         let mut backoff = Backoff::default();
         let mut up = false;
         loop {
+            if !self.hold_poller(sink, &role, username, stop).await {
+                sink.release_role(&role).await;
+                return;
+            }
             let body = json!({
                 "offset": offset,
                 "timeout": self.settings.poll_timeout.as_secs(),
                 "allowed_updates": [],
             });
-            let answer = tokio::select! {
-                _ = stop.cancelled() => return,
-                answer = self.call_raw("getUpdates", &body, self.settings.poll_timeout + Duration::from_secs(15)) => answer,
+            let request = self.call_raw(
+                "getUpdates",
+                &body,
+                self.settings.poll_timeout + Duration::from_secs(15),
+            );
+            tokio::pin!(request);
+            // The role is renewed while the long poll waits; a process that
+            // lost it (it stalled past the lease) stops polling at once.
+            let answer = loop {
+                tokio::select! {
+                    _ = stop.cancelled() => {
+                        sink.release_role(&role).await;
+                        return;
+                    }
+                    answer = &mut request => break Some(answer),
+                    _ = tokio::time::sleep(sink.role_renewal()) => {
+                        if !matches!(sink.hold_role(&role).await, Ok(true)) {
+                            tracing::warn!(account = %account, "lost the poller role to another process; standing by");
+                            break None;
+                        }
+                    }
+                }
+            };
+            let Some(answer) = answer else {
+                up = false;
+                continue;
             };
             let updates = match answer {
                 Ok(Value::Array(updates)) => updates,

@@ -289,6 +289,55 @@ impl Inner {
         }
     }
 
+    /// Pick up one unfinished run found in the store (at start, or when
+    /// this process takes over the conversation's lane): a queued run
+    /// joins its lane, a running one is re-run or interrupted by config,
+    /// one asked to end is ended. Returns whether it joined a lane.
+    async fn resume(self: &Arc<Self>, row: &RunRow) -> Result<bool, String> {
+        if row.runtime != self.name {
+            return Ok(false);
+        }
+        let resume = match (row.state, self.on_restart) {
+            (RunState::Queued, _) | (RunState::Running, OnRestart::Rerun) => true,
+            (RunState::Running, OnRestart::Interrupt) => {
+                self.end_recovered(row, RunState::Interrupted).await?;
+                false
+            }
+            (RunState::InterruptRequested, _) => {
+                self.end_recovered(row, row.end_as.unwrap_or(RunState::Interrupted))
+                    .await?;
+                false
+            }
+            _ => false,
+        };
+        if !resume {
+            return Ok(false);
+        }
+        let inputs = self
+            .store
+            .run_inputs(row.id)
+            .await
+            .map_err(|e| e.to_string())?
+            .iter()
+            .map(|i| input_of(&i.input))
+            .collect();
+        let mut lanes = self.lanes();
+        self.lane_mut(&mut lanes, row.conversation_id)
+            .insert(QueuedRun {
+                run_id: row.id,
+                mode: row.mode,
+                route: Arc::new(Route {
+                    account: row.account.clone(),
+                    chat_id: row.chat_id.clone(),
+                    thread_id: row.thread_id.clone(),
+                    surface: row.surface,
+                    reply_to: row.reply_to.clone(),
+                }),
+                inputs,
+            });
+        Ok(true)
+    }
+
     /// End a run found `running` or `interrupt_requested` at start. What it
     /// had said before the crash is lost; the user still learns it ended.
     async fn end_recovered(&self, row: &RunRow, state: RunState) -> Result<(), String> {
@@ -527,57 +576,17 @@ impl Runtime for LocalRuntime {
 
     async fn recover(&self) -> Result<usize, String> {
         const PAGE: usize = 512;
-        let inner = &self.inner;
         let mut after = 0;
         let mut resumed = 0;
         loop {
-            let rows = inner
+            let rows = self
+                .inner
                 .store
                 .runs_unfinished(after, PAGE)
                 .await
                 .map_err(|e| e.to_string())?;
-            for row in rows.iter().filter(|r| r.runtime == inner.name) {
-                let resume = match (row.state, inner.on_restart) {
-                    (RunState::Queued, _) | (RunState::Running, OnRestart::Rerun) => true,
-                    (RunState::Running, OnRestart::Interrupt) => {
-                        inner.end_recovered(row, RunState::Interrupted).await?;
-                        false
-                    }
-                    (RunState::InterruptRequested, _) => {
-                        inner
-                            .end_recovered(row, row.end_as.unwrap_or(RunState::Interrupted))
-                            .await?;
-                        false
-                    }
-                    _ => false,
-                };
-                if !resume {
-                    continue;
-                }
-                let inputs = inner
-                    .store
-                    .run_inputs(row.id)
-                    .await
-                    .map_err(|e| e.to_string())?
-                    .iter()
-                    .map(|i| input_of(&i.input))
-                    .collect();
-                let mut lanes = inner.lanes();
-                self.inner
-                    .lane_mut(&mut lanes, row.conversation_id)
-                    .insert(QueuedRun {
-                        run_id: row.id,
-                        mode: row.mode,
-                        route: Arc::new(Route {
-                            account: row.account.clone(),
-                            chat_id: row.chat_id.clone(),
-                            thread_id: row.thread_id.clone(),
-                            surface: row.surface,
-                            reply_to: row.reply_to.clone(),
-                        }),
-                        inputs,
-                    });
-                resumed += 1;
+            for row in &rows {
+                resumed += usize::from(self.inner.resume(row).await?);
             }
             match rows.last() {
                 Some(last) if rows.len() == PAGE => after = last.id,
@@ -585,6 +594,37 @@ impl Runtime for LocalRuntime {
             }
         }
         Ok(resumed)
+    }
+
+    fn owns_lanes(&self) -> bool {
+        true
+    }
+
+    async fn adopt(&self, conversation_id: i64) -> Result<usize, String> {
+        let inner = &self.inner;
+        // Serialized with admissions, so a submission that follows sees the
+        // adopted runs in the lane.
+        let _serial = inner.admission.lock().await;
+        let rows = inner
+            .store
+            .runs_unfinished_in(conversation_id)
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut adopted = 0;
+        for row in &rows {
+            let known = inner
+                .lanes()
+                .get(&conversation_id)
+                .is_some_and(|lane| lane.knows(row.id));
+            if !known {
+                adopted += usize::from(inner.resume(row).await?);
+            }
+        }
+        Ok(adopted)
+    }
+
+    fn busy(&self, conversation_id: i64) -> bool {
+        self.inner.lanes().contains_key(&conversation_id)
     }
 
     async fn close(&self, grace: Duration, force: Duration) -> CloseReport {

@@ -56,6 +56,10 @@ pub(super) const RETRY: &str =
     "UPDATE occurrences SET state = 'pending', next_attempt_at = ?, reason = ?,
         attempts = attempts + 1, lease_owner = NULL, lease_expires_at = NULL
      WHERE id = ? AND fencing_token = ? AND state = 'claimed' RETURNING schedule_id";
+pub(super) const DEFER: &str =
+    "UPDATE occurrences SET state = 'pending', next_attempt_at = ?, reason = ?,
+        lease_owner = NULL, lease_expires_at = NULL
+     WHERE id = ? AND fencing_token = ? AND state = 'claimed' RETURNING schedule_id";
 pub(super) const FAILED: &str = "UPDATE occurrences SET state = 'failed', reason = ?, fired_at = ?,
         attempts = attempts + 1, lease_owner = NULL, lease_expires_at = NULL
      WHERE id = ? AND fencing_token = ? AND state = 'claimed' RETURNING schedule_id";
@@ -343,6 +347,18 @@ impl ScheduleStore for SqliteStore {
                 reason,
             } => {
                 sqlx::query_scalar(RETRY)
+                    .bind(next_attempt_at)
+                    .bind(reason)
+                    .bind(id)
+                    .bind(token)
+                    .fetch_optional(&mut *tx)
+                    .await?
+            }
+            Fire::Defer {
+                next_attempt_at,
+                reason,
+            } => {
+                sqlx::query_scalar(DEFER)
                     .bind(next_attempt_at)
                     .bind(reason)
                     .bind(id)
