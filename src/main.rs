@@ -44,6 +44,17 @@ enum Command {
     Check(ConfigArg),
     /// Create the store and apply migrations, then exit.
     Migrate(ConfigArg),
+    /// Copy a SQLite store into a new, empty PostgreSQL store (moving a
+    /// deployment to several processes). Stop the daemon first.
+    CopyStore {
+        /// The SQLite store: sqlite://PATH (the old `store.url`).
+        #[arg(long)]
+        from: String,
+        /// The PostgreSQL store: postgres://USER@HOST:PORT/DB (empty; the
+        /// schema is created).
+        #[arg(long)]
+        to: String,
+    },
     /// Run the whole loop in-process on a temporary store and show each step.
     Demo,
     /// The inbound journal.
@@ -357,6 +368,21 @@ async fn dispatch(command: Command) -> ExitCode {
                 Ok(store) => {
                     println!("{}: migrations applied", store.describe());
                     store.close().await;
+                    ExitCode::SUCCESS
+                }
+                Err(e) => fail(e),
+            }
+        }
+        Command::CopyStore { from, to } => {
+            match store::copy::sqlite_to_postgres(&from, &to).await {
+                Ok(report) => {
+                    for (table, rows) in &report.tables {
+                        println!("{table}: {rows}");
+                    }
+                    println!(
+                        "copied {} rows; now set store.url = \"{to}\" and start the daemons",
+                        report.total()
+                    );
                     ExitCode::SUCCESS
                 }
                 Err(e) => fail(e),

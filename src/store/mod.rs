@@ -15,6 +15,7 @@
 //!   token: a write with a stale token changes nothing and reports `false`.
 
 pub mod batch;
+pub mod copy;
 pub mod postgres;
 pub mod sqlite;
 mod types;

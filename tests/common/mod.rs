@@ -170,6 +170,10 @@ pub struct DaemonConfig {
     pub token_delay_ms: u64,
     /// Replaces the body of `[runtimes.default]` when set.
     pub runtime: Option<String>,
+    /// `store.url`; a SQLite file in the daemon's directory when unset.
+    pub store_url: Option<String>,
+    /// Extra keys for `[store]`.
+    pub store_extra: String,
 }
 
 impl DaemonConfig {
@@ -182,6 +186,8 @@ impl DaemonConfig {
             channel_extra: String::new(),
             token_delay_ms: 0,
             runtime: None,
+            store_url: None,
+            store_extra: String::new(),
         }
     }
 
@@ -189,7 +195,8 @@ impl DaemonConfig {
         format!(
             r#"
 [store]
-url = "sqlite://{db}"
+url = "{store}"
+{store_extra}
 
 [server]
 listen = "127.0.0.1:{server}"
@@ -222,7 +229,11 @@ force_secs = 2
 
 {extra}
 "#,
-            db = dir.join("switchboard.db").display(),
+            store = self
+                .store_url
+                .clone()
+                .unwrap_or_else(|| format!("sqlite://{}", dir.join("switchboard.db").display())),
+            store_extra = self.store_extra,
             server = self.server_port,
             admin = self.admin_port,
             runtime = self.runtime.clone().unwrap_or_else(|| format!(

@@ -63,6 +63,11 @@ impl PgStore {
         Ok(PgStore { pool, described })
     }
 
+    /// The connection pool (copying a SQLite store in).
+    pub(crate) fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
     async fn begin(&self) -> StoreResult<Transaction<'static, Postgres>> {
         Ok(self.pool.begin().await?)
     }

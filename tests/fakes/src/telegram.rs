@@ -322,6 +322,9 @@ struct BotSt {
     active_poll: Option<u64>,
     /// Long polls ended early, with the description they answer.
     terminated_polls: HashMap<u64, &'static str>,
+    /// `getUpdates` calls answered 409 because a newer call replaced them
+    /// (two pollers of one bot at once).
+    poll_conflicts: usize,
     get_updates_calls: Vec<(i64, u64)>,
     command_sets: Vec<CommandSet>,
     commands: HashMap<(String, String), Vec<(String, String)>>,
@@ -564,6 +567,7 @@ impl BotSt {
             poll_seq: 0,
             active_poll: None,
             terminated_polls: HashMap::new(),
+            poll_conflicts: 0,
             get_updates_calls: Vec::new(),
             command_sets: Vec::new(),
             commands: HashMap::new(),
@@ -1048,6 +1052,12 @@ impl FakeTelegram {
     /// Unconfirmed updates in the bot's queue.
     pub fn pending(&self, token: &str) -> usize {
         self.st().bot(token).queue.len()
+    }
+
+    /// How many `getUpdates` calls were answered 409 because another call
+    /// for the same bot replaced them: two processes polling one bot.
+    pub fn poll_conflicts(&self, token: &str) -> usize {
+        self.st().bot(token).poll_conflicts
     }
 
     /// The bot's webhook `(url, secret_token)`, if one is set.
@@ -1636,6 +1646,9 @@ async fn get_updates(shared: &Arc<Shared>, token: &str, params: &Params) -> Repl
             let shutdown = st.shutdown;
             let bot = st.bot(token);
             if let Some(description) = bot.terminated_polls.remove(&my_poll) {
+                if description == DESC_TERMINATED {
+                    bot.poll_conflicts += 1;
+                }
                 return Reply::err(409, description);
             }
             if bot.revoked {
