@@ -1,50 +1,150 @@
-//! AccessStore on PostgreSQL.
-use super::PgStore;
-#[allow(unused_imports)]
-use crate::store::*;
-#[allow(unused_imports)]
-use crate::surface::SurfaceKind;
+//! Pairings of direct-message users on PostgreSQL.
+
 use async_trait::async_trait;
+use sqlx::Row;
+use sqlx::postgres::PgRow;
+
+use super::{PgStore, bad_value};
+use crate::store::{AccessStore, PairingRow, PairingState, StoreResult};
+
+const COLUMNS: &str =
+    "account, user_id, user_name, code, state, created_at, expires_at, decided_at";
+
+fn pairing_from_row(row: &PgRow) -> StoreResult<PairingRow> {
+    let state: String = row.try_get("state")?;
+    Ok(PairingRow {
+        account: row.try_get("account")?,
+        user_id: row.try_get("user_id")?,
+        user_name: row.try_get("user_name")?,
+        code: row.try_get("code")?,
+        state: PairingState::parse(&state).ok_or_else(|| bad_value("state", &state))?,
+        created_at: row.try_get("created_at")?,
+        expires_at: row.try_get("expires_at")?,
+        decided_at: row.try_get("decided_at")?,
+    })
+}
 
 #[async_trait]
 impl AccessStore for PgStore {
-    async fn pairing_get(&self, _account: &str, _user_id: &str) -> StoreResult<Option<PairingRow>> {
-        todo!("postgres")
+    async fn chat_origins(&self, account: &str, chat_id: &str) -> StoreResult<Vec<String>> {
+        let rows: Vec<String> = sqlx::query_scalar(
+            "WITH RECURSIVE origin(chat, depth) AS (
+                 SELECT $2::text, 0
+                 UNION
+                 SELECT m.from_chat, o.depth + 1 FROM chat_migrations m
+                 JOIN origin o ON m.account = $1 AND m.to_chat = o.chat
+                 WHERE o.depth < 8)
+             SELECT chat FROM origin WHERE depth > 0 ORDER BY depth",
+        )
+        .bind(account)
+        .bind(chat_id)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows)
+    }
+
+    async fn pairing_get(&self, account: &str, user_id: &str) -> StoreResult<Option<PairingRow>> {
+        let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {COLUMNS} FROM pairings WHERE account = $1 AND user_id = $2"
+        )))
+        .bind(account)
+        .bind(user_id)
+        .fetch_optional(&self.pool)
+        .await?;
+        row.as_ref().map(pairing_from_row).transpose()
     }
 
     async fn pairing_issue(
         &self,
-        _account: &str,
-        _user_id: &str,
-        _user_name: Option<&str>,
-        _code: &str,
-        _now: i64,
-        _expires_at: i64,
+        account: &str,
+        user_id: &str,
+        user_name: Option<&str>,
+        code: &str,
+        now: i64,
+        expires_at: i64,
     ) -> StoreResult<PairingRow> {
-        todo!("postgres")
+        // A pending code that has not expired is kept; anything else (none,
+        // expired, revoked) gets the new one. One statement: a concurrent
+        // issue for the same user waits on the row and then sees it.
+        let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO pairings (account, user_id, user_name, code, state, created_at, expires_at)
+             VALUES ($1, $2, $3, $4, 'pending', $5, $6)
+             ON CONFLICT (account, user_id) DO UPDATE SET
+                code = CASE WHEN pairings.state = 'pending' AND pairings.expires_at > $5
+                            THEN pairings.code ELSE excluded.code END,
+                created_at = CASE WHEN pairings.state = 'pending' AND pairings.expires_at > $5
+                            THEN pairings.created_at ELSE excluded.created_at END,
+                expires_at = CASE WHEN pairings.state = 'pending' AND pairings.expires_at > $5
+                            THEN pairings.expires_at ELSE excluded.expires_at END,
+                user_name = COALESCE(excluded.user_name, pairings.user_name),
+                state = CASE WHEN pairings.state = 'approved' THEN 'approved' ELSE 'pending' END,
+                decided_at = CASE WHEN pairings.state = 'approved' THEN pairings.decided_at ELSE NULL END
+             RETURNING {COLUMNS}"
+        )))
+        .bind(account)
+        .bind(user_id)
+        .bind(user_name)
+        .bind(code)
+        .bind(now)
+        .bind(expires_at)
+        .fetch_one(&self.pool)
+        .await?;
+        pairing_from_row(&row)
     }
 
-    async fn pairing_approve(&self, _code: &str, _now: i64) -> StoreResult<Option<PairingRow>> {
-        todo!("postgres")
+    async fn pairing_approve(&self, code: &str, now: i64) -> StoreResult<Option<PairingRow>> {
+        let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "UPDATE pairings SET state = 'approved', decided_at = $1
+             WHERE code = $2 AND state = 'pending' AND expires_at > $3 RETURNING {COLUMNS}"
+        )))
+        .bind(now)
+        .bind(code.trim().to_ascii_uppercase())
+        .bind(now)
+        .fetch_optional(&self.pool)
+        .await?;
+        row.as_ref().map(pairing_from_row).transpose()
     }
 
-    async fn pairing_admit(&self, _account: &str, _user_id: &str, _now: i64) -> StoreResult<()> {
-        todo!("postgres")
+    async fn pairing_admit(&self, account: &str, user_id: &str, now: i64) -> StoreResult<()> {
+        sqlx::query(
+            "INSERT INTO pairings (account, user_id, code, state, created_at, expires_at, decided_at)
+             VALUES ($1, $2, 'admitted-' || $1 || '-' || $2, 'approved', $3, $3, $3)
+             ON CONFLICT (account, user_id) DO UPDATE SET state = 'approved', decided_at = $3",
+        )
+        .bind(account)
+        .bind(user_id)
+        .bind(now)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
     }
 
-    async fn pairing_revoke(&self, _account: &str, _user_id: &str, _now: i64) -> StoreResult<bool> {
-        todo!("postgres")
-    }
-
-    async fn chat_origins(&self, _account: &str, _chat_id: &str) -> StoreResult<Vec<String>> {
-        todo!("postgres")
+    async fn pairing_revoke(&self, account: &str, user_id: &str, now: i64) -> StoreResult<bool> {
+        let done = sqlx::query(
+            "UPDATE pairings SET state = 'revoked', decided_at = $1
+             WHERE account = $2 AND user_id = $3",
+        )
+        .bind(now)
+        .bind(account)
+        .bind(user_id)
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected() == 1)
     }
 
     async fn pairing_list(
         &self,
-        _account: Option<&str>,
-        _limit: usize,
+        account: Option<&str>,
+        limit: usize,
     ) -> StoreResult<Vec<PairingRow>> {
-        todo!("postgres")
+        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {COLUMNS} FROM pairings WHERE ($1::text IS NULL OR account = $1)
+             ORDER BY created_at DESC LIMIT $2"
+        )))
+        .bind(account)
+        .bind(limit as i64)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(pairing_from_row).collect()
     }
 }

@@ -1,63 +1,241 @@
-//! RemoteStore on PostgreSQL.
-use super::PgStore;
-#[allow(unused_imports)]
-use crate::store::*;
-#[allow(unused_imports)]
-use crate::surface::SurfaceKind;
+//! Remote runtimes on PostgreSQL: awaited runs and event cursors.
+//!
+//! Several processes may read one runtime's event stream: finishing a run is
+//! conditional on it still being awaited (the second process to see its
+//! `run.finished` writes nothing but the cursor), and the cursor only moves
+//! forward.
+
 use async_trait::async_trait;
+use sqlx::postgres::PgRow;
+use sqlx::{Postgres, Row, Transaction};
+
+use super::outbox::insert_item;
+use super::{PgStore, bad_value, thread_from_db, thread_to_db};
+use crate::store::{NewOutboxItem, RemoteRun, RemoteStore, StoreResult};
+use crate::surface::SurfaceKind;
+
+const COLUMNS: &str = "runtime, run_id, conversation_id, account, chat_id, thread_id, surface,
+    reply_to, end_notice, state, event_id, created_at";
+
+fn remote_from_row(row: &PgRow) -> StoreResult<RemoteRun> {
+    let surface: String = row.try_get("surface")?;
+    let state: String = row.try_get("state")?;
+    Ok(RemoteRun {
+        runtime: row.try_get("runtime")?,
+        run_id: row.try_get("run_id")?,
+        conversation_id: row.try_get("conversation_id")?,
+        account: row.try_get("account")?,
+        chat_id: row.try_get("chat_id")?,
+        thread_id: thread_from_db(row.try_get("thread_id")?),
+        surface: SurfaceKind::parse(&surface).ok_or_else(|| bad_value("surface", &surface))?,
+        reply_to: row.try_get("reply_to")?,
+        end_notice: row.try_get("end_notice")?,
+        awaited: state == "awaited",
+        event_id: row.try_get("event_id")?,
+        created_at: row.try_get("created_at")?,
+    })
+}
+
+async fn advance(
+    tx: &mut Transaction<'static, Postgres>,
+    runtime: &str,
+    event_id: i64,
+) -> StoreResult<()> {
+    sqlx::query(
+        "INSERT INTO remote_cursors (runtime, event_id) VALUES ($1, $2)
+         ON CONFLICT (runtime) DO UPDATE
+         SET event_id = GREATEST(remote_cursors.event_id, excluded.event_id)",
+    )
+    .bind(runtime)
+    .bind(event_id)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
 
 #[async_trait]
 impl RemoteStore for PgStore {
-    async fn remote_await(&self, _runs: &[RemoteRun]) -> StoreResult<()> {
-        todo!("postgres")
+    async fn remote_await(&self, runs: &[RemoteRun]) -> StoreResult<()> {
+        if runs.is_empty() {
+            return Ok(());
+        }
+        let mut tx = self.begin().await?;
+        for run in runs {
+            sqlx::query(
+                "INSERT INTO remote_runs (runtime, run_id, conversation_id, account, chat_id,
+                    thread_id, surface, reply_to, state, created_at)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'awaited', $9)
+                 ON CONFLICT (runtime, run_id) DO NOTHING",
+            )
+            .bind(&run.runtime)
+            .bind(&run.run_id)
+            .bind(run.conversation_id)
+            .bind(&run.account)
+            .bind(&run.chat_id)
+            .bind(thread_to_db(&run.thread_id))
+            .bind(run.surface.as_str())
+            .bind(&run.reply_to)
+            .bind(run.created_at)
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(())
     }
 
     async fn remote_awaited(
         &self,
-        _runtime: &str,
-        _after: Option<(i64, String)>,
-        _limit: usize,
+        runtime: &str,
+        after: Option<(i64, String)>,
+        limit: usize,
     ) -> StoreResult<Vec<RemoteRun>> {
-        todo!("postgres")
+        let (at, id) = after.unwrap_or((i64::MIN, String::new()));
+        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {COLUMNS} FROM remote_runs WHERE runtime = $1 AND state = 'awaited'
+             AND (created_at, run_id) > ($2, $3) ORDER BY created_at, run_id LIMIT $4"
+        )))
+        .bind(runtime)
+        .bind(at)
+        .bind(id)
+        .bind(limit as i64)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(remote_from_row).collect()
     }
 
-    async fn remote_get(&self, _runtime: &str, _run_id: &str) -> StoreResult<Option<RemoteRun>> {
-        todo!("postgres")
+    async fn remote_get(&self, runtime: &str, run_id: &str) -> StoreResult<Option<RemoteRun>> {
+        let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {COLUMNS} FROM remote_runs WHERE runtime = $1 AND run_id = $2"
+        )))
+        .bind(runtime)
+        .bind(run_id)
+        .fetch_optional(&self.pool)
+        .await?;
+        row.as_ref().map(remote_from_row).transpose()
     }
 
     async fn remote_awaited_of(
         &self,
-        _runtime: &str,
-        _conversation_id: i64,
+        runtime: &str,
+        conversation_id: i64,
     ) -> StoreResult<Vec<RemoteRun>> {
-        todo!("postgres")
+        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {COLUMNS} FROM remote_runs
+             WHERE runtime = $1 AND conversation_id = $2 AND state = 'awaited'"
+        )))
+        .bind(runtime)
+        .bind(conversation_id)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(remote_from_row).collect()
     }
 
-    async fn remote_cursor(&self, _runtime: &str) -> StoreResult<i64> {
-        todo!("postgres")
+    async fn remote_cursor(&self, runtime: &str) -> StoreResult<i64> {
+        let cursor: Option<i64> =
+            sqlx::query_scalar("SELECT event_id FROM remote_cursors WHERE runtime = $1")
+                .bind(runtime)
+                .fetch_optional(&self.pool)
+                .await?;
+        Ok(cursor.unwrap_or(0))
     }
 
     async fn remote_finish(
         &self,
-        _runtime: &str,
-        _run_id: &str,
-        _event_id: i64,
-        _replies: &[NewOutboxItem],
-        _now: i64,
+        runtime: &str,
+        run_id: &str,
+        event_id: i64,
+        replies: &[NewOutboxItem],
+        now: i64,
     ) -> StoreResult<bool> {
-        todo!("postgres")
+        let mut tx = self.begin().await?;
+        // Conditional on `awaited`: a process that sees the same event at
+        // the same time waits on the row, then finds it finished.
+        let finished = sqlx::query(
+            "UPDATE remote_runs SET state = 'finished', event_id = $1, finished_at = $2
+             WHERE runtime = $3 AND run_id = $4 AND state = 'awaited'
+             RETURNING conversation_id, account, chat_id, thread_id, surface, end_notice",
+        )
+        .bind(event_id)
+        .bind(now)
+        .bind(runtime)
+        .bind(run_id)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let changed = finished.is_some();
+        if let Some(row) = finished {
+            for reply in replies {
+                insert_item(&mut tx, reply).await?;
+            }
+            // The /stop confirmation comes after the run's last words.
+            let notice: Option<String> = row.try_get("end_notice")?;
+            if let Some(notice) =
+                notice.and_then(|n| serde_json::from_str::<serde_json::Value>(&n).ok())
+            {
+                let surface: String = row.try_get("surface")?;
+                let item = NewOutboxItem {
+                    item_key: notice["item_key"].as_str().unwrap_or_default().to_owned(),
+                    conversation_id: row.try_get("conversation_id")?,
+                    account: row.try_get("account")?,
+                    chat_id: row.try_get("chat_id")?,
+                    thread_id: thread_from_db(row.try_get("thread_id")?),
+                    surface: SurfaceKind::parse(&surface)
+                        .ok_or_else(|| bad_value("surface", &surface))?,
+                    reply_to: None,
+                    run_id: Some(crate::keys::remote_run_key(runtime, run_id)),
+                    kind: crate::store::ItemKind::Notice,
+                    text: notice["text"].as_str().unwrap_or_default().to_owned(),
+                    group_key: None,
+                    edits_key: None,
+                    attachments: Vec::new(),
+                    created_at: now,
+                };
+                insert_item(&mut tx, &item).await?;
+            }
+        }
+        advance(&mut tx, runtime, event_id).await?;
+        tx.commit().await?;
+        Ok(changed)
     }
 
-    async fn remote_advance(&self, _runtime: &str, _event_id: i64) -> StoreResult<()> {
-        todo!("postgres")
+    async fn remote_advance(&self, runtime: &str, event_id: i64) -> StoreResult<()> {
+        let mut tx = self.begin().await?;
+        advance(&mut tx, runtime, event_id).await?;
+        tx.commit().await?;
+        Ok(())
     }
 
     async fn remote_stop_notice(
         &self,
-        _runtime: &str,
-        _interrupted: Option<&str>,
-        _notice: &NewOutboxItem,
+        runtime: &str,
+        interrupted: Option<&str>,
+        notice: &NewOutboxItem,
     ) -> StoreResult<()> {
-        todo!("postgres")
+        let mut tx = self.begin().await?;
+        // The update waits for a concurrent `remote_finish` of the run: once
+        // that committed the run is no longer awaited and the notice is
+        // written now instead.
+        let deferred = match interrupted {
+            Some(run_id) => {
+                let json = serde_json::json!({"item_key": notice.item_key, "text": notice.text})
+                    .to_string();
+                sqlx::query(
+                    "UPDATE remote_runs SET end_notice = $1
+                     WHERE runtime = $2 AND run_id = $3 AND state = 'awaited'",
+                )
+                .bind(json)
+                .bind(runtime)
+                .bind(run_id)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected()
+                    == 1
+            }
+            None => false,
+        };
+        if !deferred {
+            insert_item(&mut tx, notice).await?;
+        }
+        tx.commit().await?;
+        Ok(())
     }
 }
