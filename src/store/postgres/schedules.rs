@@ -73,6 +73,10 @@ pub(super) const RETRY: &str =
     "UPDATE occurrences SET state = 'pending', next_attempt_at = $1, reason = $2,
         attempts = attempts + 1, lease_owner = NULL, lease_expires_at = NULL
      WHERE id = $3 AND fencing_token = $4 AND state = 'claimed' RETURNING schedule_id";
+pub(super) const DEFER: &str =
+    "UPDATE occurrences SET state = 'pending', next_attempt_at = $1, reason = $2,
+        lease_owner = NULL, lease_expires_at = NULL
+     WHERE id = $3 AND fencing_token = $4 AND state = 'claimed' RETURNING schedule_id";
 pub(super) const FAILED: &str =
     "UPDATE occurrences SET state = 'failed', reason = $1, fired_at = $2,
         attempts = attempts + 1, lease_owner = NULL, lease_expires_at = NULL
@@ -368,6 +372,18 @@ impl ScheduleStore for PgStore {
                 reason,
             } => {
                 sqlx::query_scalar(RETRY)
+                    .bind(next_attempt_at)
+                    .bind(reason)
+                    .bind(id)
+                    .bind(token)
+                    .fetch_optional(&mut *tx)
+                    .await?
+            }
+            Fire::Defer {
+                next_attempt_at,
+                reason,
+            } => {
+                sqlx::query_scalar(DEFER)
                     .bind(next_attempt_at)
                     .bind(reason)
                     .bind(id)
