@@ -135,7 +135,7 @@ dm_policy = "open"
         .await
         .unwrap();
     assert_eq!(r.status().as_u16(), 201, "{}", r.text().await.unwrap());
-    let schedule_id = r.json::<serde_json::Value>().await.unwrap()["id"]
+    let schedule_id = r.json::<serde_json::Value>().await.unwrap()["schedule"]["id"]
         .as_i64()
         .unwrap();
 
