@@ -27,7 +27,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::clock::{SharedClock, SystemClock};
 use crate::config::{ChannelConfig, Config, RuntimeConfig, parse_listen};
-use crate::ingress::{AccountInfo, Ingress};
+use crate::ingress::{AccountInfo, Ingress, RoleLeases};
 use crate::lanes::Lanes;
 use crate::observe::{Observer, SharedObserver};
 use crate::outbox::ChatLocks;
@@ -232,8 +232,10 @@ impl Daemon {
             clock.clone(),
             observer.clone(),
             submitter_wake.clone(),
-            owner.clone(),
-            Duration::from_secs(config.store.lease_secs),
+            RoleLeases {
+                owner: owner.clone(),
+                ttl: Duration::from_secs(config.store.lease_secs),
+            },
         );
 
         // Listeners.

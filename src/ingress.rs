@@ -51,6 +51,13 @@ pub struct Ingress {
     role_ttl: Duration,
 }
 
+/// How single-active roles are leased: this process's name in leases and
+/// how long a role is held without renewal.
+pub struct RoleLeases {
+    pub owner: String,
+    pub ttl: Duration,
+}
+
 impl Ingress {
     /// Start the journal's group-commit writer and return the sink with the
     /// writer's task.
@@ -61,8 +68,7 @@ impl Ingress {
         clock: SharedClock,
         observer: SharedObserver,
         submitter_wake: Arc<Notify>,
-        owner: String,
-        role_ttl: Duration,
+        roles: RoleLeases,
     ) -> (Arc<Ingress>, tokio::task::JoinHandle<()>) {
         let writer = store.clone();
         let (journal, task) =
@@ -78,8 +84,8 @@ impl Ingress {
             clock,
             observer,
             submitter_wake,
-            owner,
-            role_ttl,
+            owner: roles.owner,
+            role_ttl: roles.ttl,
         });
         (ingress, task)
     }
