@@ -411,19 +411,26 @@ async fn an_ambiguous_create_is_resent_with_its_nonce_and_discord_returns_the_sa
         bot.daemon.logs()
     );
     assert_eq!(replies(&bot.fake, DM, msg).len(), 1, "one message");
-    let items = bot
-        .store
-        .outbox_list(&switchboard::store::OutboxFilter {
-            limit: 10,
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+    // The fake counts the dedupe before it answers; the ack is written after.
+    let items = || async {
+        bot.store
+            .outbox_list(&switchboard::store::OutboxFilter {
+                limit: 10,
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+    };
     assert!(
-        items
-            .iter()
-            .all(|i| i.state == switchboard::store::DispatchState::Acknowledged),
-        "{items:#?}"
+        eventually(WAIT, || async {
+            items()
+                .await
+                .iter()
+                .all(|i| i.state == switchboard::store::DispatchState::Acknowledged)
+        })
+        .await,
+        "{:#?}",
+        items().await
     );
 }
 

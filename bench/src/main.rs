@@ -10,6 +10,7 @@
 //! ```
 
 mod limits;
+mod postgres;
 mod report;
 mod scenarios;
 
@@ -31,7 +32,8 @@ struct Args {
     /// Where to write the JSON results.
     #[arg(long, default_value = "bench-results.json")]
     json: PathBuf,
-    /// Scenarios to run (default: all): limits, dispatch.
+    /// Scenarios to run (default: all): limits, dispatch, postgres (one
+    /// and three processes on the server named by SWITCHBOARD_BENCH_PG_URL).
     scenarios: Vec<String>,
 }
 
@@ -68,7 +70,7 @@ async fn main() -> anyhow::Result<()> {
             dispatch_conversations: 1_000,
         }
     };
-    let all = ["limits", "dispatch"];
+    let all = ["limits", "dispatch", "postgres"];
     let chosen: Vec<String> = if args.scenarios.is_empty() {
         all.iter().map(|s| s.to_string()).collect()
     } else {
@@ -88,6 +90,9 @@ async fn main() -> anyhow::Result<()> {
     }
     if chosen.iter().any(|s| s == "dispatch") {
         scenarios::dispatch(&mut report, scale).await?;
+    }
+    if chosen.iter().any(|s| s == "postgres") {
+        postgres::run(&mut report, scale).await?;
     }
     report.print_ratios();
     report.write_json(&args.json)?;
