@@ -21,7 +21,7 @@
 //! recovery ([`Runtime::recover`]) resumes everything at once.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use tokio::sync::Mutex;
@@ -29,7 +29,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::clock::SharedClock;
 use crate::keys;
-use crate::runtime::Runtime;
+use crate::runtime::{LaneOwnership, Runtime};
 use crate::store::{SharedStore, StoreResult};
 
 /// A lane this process holds.
@@ -51,6 +51,19 @@ pub struct Lanes {
     /// The runtimes that keep lanes in this process.
     runtimes: Vec<Arc<dyn Runtime>>,
     held: Mutex<HashMap<i64, Held>>,
+    /// When each held lease runs out, readable without waiting (the
+    /// runtime checks it before every run it starts).
+    until: std::sync::Mutex<HashMap<i64, i64>>,
+}
+
+impl LaneOwnership for Lanes {
+    fn owns(&self, conversation_id: i64) -> bool {
+        !self.shared
+            || self
+                .until()
+                .get(&conversation_id)
+                .is_some_and(|until| *until > self.clock.now_ms())
+    }
 }
 
 impl Lanes {
@@ -61,7 +74,7 @@ impl Lanes {
         clock: SharedClock,
         runtimes: Vec<Arc<dyn Runtime>>,
     ) -> Arc<Lanes> {
-        Arc::new(Lanes {
+        let lanes = Arc::new(Lanes {
             shared: !store.single_process(),
             store,
             owner,
@@ -69,7 +82,28 @@ impl Lanes {
             clock,
             runtimes: runtimes.into_iter().filter(|r| r.owns_lanes()).collect(),
             held: Mutex::new(HashMap::new()),
-        })
+            until: std::sync::Mutex::new(HashMap::new()),
+        });
+        if lanes.shared {
+            let weak = Arc::downgrade(&lanes);
+            let owner: Weak<dyn LaneOwnership> = weak;
+            for runtime in &lanes.runtimes {
+                runtime.attach_lanes(owner.clone());
+            }
+        }
+        lanes
+    }
+
+    fn until(&self) -> std::sync::MutexGuard<'_, HashMap<i64, i64>> {
+        self.until.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Record a (re)newed lease, or forget a lost or released one.
+    fn set_until(&self, conversation_id: i64, until: Option<i64>) {
+        match until {
+            Some(until) => self.until().insert(conversation_id, until),
+            None => self.until().remove(&conversation_id),
+        };
     }
 
     /// Whether other processes may share the store (and lanes are leased).
@@ -108,6 +142,7 @@ impl Lanes {
             )
             .await?;
         if token.is_none() {
+            self.set_until(conversation_id, None);
             if held.remove(&conversation_id).is_some() {
                 tracing::warn!(
                     conversation_id,
@@ -116,6 +151,8 @@ impl Lanes {
             }
             return Ok(false);
         }
+        // Newly held, or held again after the lease ran out here (the
+        // runtime may have dropped the lane meanwhile): take the runs over.
         let fresh = held
             .insert(
                 conversation_id,
@@ -124,31 +161,40 @@ impl Lanes {
                     used_at: now,
                 },
             )
-            .is_none();
-        if fresh {
-            for runtime in &self.runtimes {
-                match runtime.adopt(conversation_id).await {
-                    Ok(0) => {}
-                    Ok(n) => tracing::info!(
-                        conversation_id,
-                        runtime = runtime.name(),
-                        runs = n,
-                        "took over runs another process left"
-                    ),
-                    Err(e) => {
-                        // Without its earlier runs the lane would run out of
-                        // order: give it up and let a later try adopt them.
-                        tracing::warn!(conversation_id, runtime = runtime.name(), error = %e, "could not take over a lane's runs; retrying later");
-                        held.remove(&conversation_id);
-                        self.store
-                            .lease_release(&keys::lane_lease(conversation_id), &self.owner)
-                            .await?;
-                        return Ok(false);
-                    }
+            .is_none_or(|before| before.until <= now);
+        self.set_until(conversation_id, Some(now + self.ttl_ms));
+        if fresh && !self.adopt(conversation_id).await {
+            // Without its earlier runs the lane would run out of order:
+            // give it up and let a later try adopt them.
+            held.remove(&conversation_id);
+            self.set_until(conversation_id, None);
+            self.store
+                .lease_release(&keys::lane_lease(conversation_id), &self.owner)
+                .await?;
+            return Ok(false);
+        }
+        Ok(true)
+    }
+
+    /// Take over the conversation's unfinished runs in every runtime that
+    /// keeps lanes; `false` when one could not.
+    async fn adopt(&self, conversation_id: i64) -> bool {
+        for runtime in &self.runtimes {
+            match runtime.adopt(conversation_id).await {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(
+                    conversation_id,
+                    runtime = runtime.name(),
+                    runs = n,
+                    "took over runs another process left"
+                ),
+                Err(e) => {
+                    tracing::warn!(conversation_id, runtime = runtime.name(), error = %e, "could not take over a lane's runs; retrying later");
+                    return false;
                 }
             }
         }
-        Ok(true)
+        true
     }
 
     /// How many lanes this process holds.
@@ -196,6 +242,12 @@ impl Lanes {
                         if let Some(h) = held.get_mut(&id) {
                             h.until = now + self.ttl_ms;
                         }
+                        self.set_until(id, Some(now + self.ttl_ms));
+                        if h.until <= now {
+                            // Renewed late: the runtime may have left the
+                            // lane's runs in the store; take them back.
+                            self.adopt(id).await;
+                        }
                     }
                     None => {
                         tracing::warn!(
@@ -203,9 +255,11 @@ impl Lanes {
                             "lost the lease of a lane to another process (this one stalled past the lease)"
                         );
                         held.remove(&id);
+                        self.set_until(id, None);
                     }
                 }
             } else {
+                self.set_until(id, None);
                 self.store.lease_release(&name, &self.owner).await?;
                 held.remove(&id);
             }
@@ -248,6 +302,7 @@ impl Lanes {
             return;
         }
         let mut held = self.held.lock().await;
+        self.until().clear();
         for (id, _) in held.drain() {
             if let Err(e) = self
                 .store

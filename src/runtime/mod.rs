@@ -11,6 +11,7 @@
 pub mod local;
 pub mod remote;
 
+use std::sync::Weak;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -162,6 +163,13 @@ pub struct CloseReport {
     pub remaining: usize,
 }
 
+/// Which conversation lanes this process owns ([`crate::lanes::Lanes`]).
+pub trait LaneOwnership: Send + Sync {
+    /// Whether this process holds the conversation's lane lease now, by a
+    /// conservative reading of its own clock.
+    fn owns(&self, conversation_id: i64) -> bool;
+}
+
 /// An agent runtime.
 #[async_trait]
 pub trait Runtime: Send + Sync {
@@ -206,6 +214,12 @@ pub trait Runtime: Send + Sync {
     fn busy(&self, _conversation_id: i64) -> bool {
         false
     }
+
+    /// Processes sharing a store: from now on, start a conversation's next
+    /// run only while `lanes` says this process owns its lane; a lane lost
+    /// (this process stalled past its lease) is dropped here, its runs left
+    /// queued in the store for the new owner.
+    fn attach_lanes(&self, _lanes: Weak<dyn LaneOwnership>) {}
 
     /// Stop: no new runs, `grace` for the ones in flight, then abort with
     /// reason `shutdown` and wait at most `force`.

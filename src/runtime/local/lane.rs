@@ -204,6 +204,11 @@ impl Lane {
         }
     }
 
+    /// Queued runs.
+    pub fn queue_len(&self) -> usize {
+        self.queue.len()
+    }
+
     /// Inputs waiting in queued runs.
     pub fn queued_inputs(&self) -> usize {
         self.queue.iter().map(|q| q.inputs.len()).sum()

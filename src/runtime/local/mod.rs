@@ -21,7 +21,7 @@ pub mod model;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -32,8 +32,8 @@ use tokio_util::task::TaskTracker;
 use self::lane::{Lane, Offer, Placement, QueuedRun, RunControl, Running};
 use self::model::Model;
 use super::{
-    Admission, CloseReport, Input, Route, RunDelta, Runtime, Stop, StopReport, Submission,
-    SubmitError,
+    Admission, CloseReport, Input, LaneOwnership, Route, RunDelta, Runtime, Stop, StopReport,
+    Submission, SubmitError,
 };
 use crate::clock::SharedClock;
 use crate::config::{HistoryConfig, LocalRuntimeConfig, Messages, OnRestart};
@@ -70,6 +70,9 @@ pub(crate) struct Inner {
     /// Serializes admissions and stops, so each lane decision is taken on
     /// the lane as the previous decision left it.
     admission: tokio::sync::Mutex<()>,
+    /// Lane ownership when processes share the store (unset: every lane
+    /// is this process's).
+    owner: OnceLock<Weak<dyn LaneOwnership>>,
 }
 
 /// The built-in runtime.
@@ -181,6 +184,7 @@ impl LocalRuntime {
                 abort: CancellationToken::new(),
                 closing: AtomicBool::new(false),
                 admission: tokio::sync::Mutex::new(()),
+                owner: OnceLock::new(),
             }),
         })
     }
@@ -205,6 +209,14 @@ impl Inner {
         lanes.entry(conversation_id).or_default()
     }
 
+    /// Whether this process may start the conversation's next run.
+    fn owns(&self, conversation_id: i64) -> bool {
+        match self.owner.get().map(Weak::upgrade) {
+            Some(Some(owner)) => owner.owns(conversation_id),
+            _ => true,
+        }
+    }
+
     /// Run a conversation's queued runs one after another until none is
     /// left (or the runtime is closing: queued runs then stay queued in the
     /// store for the next start).
@@ -218,6 +230,18 @@ impl Inner {
                 };
                 lane.running = None;
                 lane.remove(&absorbed);
+                if !self.owns(conversation_id) {
+                    // Another process took the lane over (this one stalled
+                    // past its lease); it adopts the queued runs from the
+                    // store, so running them here too would answer twice.
+                    tracing::warn!(
+                        conversation_id,
+                        left = lane.queue_len(),
+                        "lost the conversation's lane to another process; leaving its runs to it"
+                    );
+                    lanes.remove(&conversation_id);
+                    return;
+                }
                 let next = if self.closing.load(Ordering::SeqCst) {
                     None
                 } else {
@@ -287,6 +311,27 @@ impl Inner {
                 }
             }
         }
+    }
+
+    /// Put the conversation's unfinished runs this lane does not know
+    /// (except `skip`) into it, in order. The caller holds `admission`.
+    async fn adopt(self: &Arc<Self>, conversation_id: i64, skip: &[i64]) -> Result<usize, String> {
+        let rows = self
+            .store
+            .runs_unfinished_in(conversation_id)
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut adopted = 0;
+        for row in rows.iter().filter(|r| !skip.contains(&r.id)) {
+            let known = self
+                .lanes()
+                .get(&conversation_id)
+                .is_some_and(|lane| lane.knows(row.id));
+            if !known {
+                adopted += usize::from(self.resume(row).await?);
+            }
+        }
+        Ok(adopted)
     }
 
     /// Pick up one unfinished run found in the store (at start, or when
@@ -479,6 +524,44 @@ impl Runtime for LocalRuntime {
             }
         };
 
+        // A duplicate whose run waits in the store but not in this lane was
+        // admitted by another process that has since lost the lane: take
+        // the conversation's unknown runs over before anything new joins
+        // the lane, so they keep their order.
+        let fresh: Vec<i64> = outcomes
+            .iter()
+            .filter(|o| o.new)
+            .map(|o| o.run_id)
+            .collect();
+        let mut orphaned: Vec<i64> = Vec::new();
+        for ((i, _), outcome) in planned.iter().zip(&outcomes) {
+            let conversation_id = batch[*i].conversation_id;
+            let unfinished = matches!(outcome.state, RunState::Queued | RunState::Running);
+            if !outcome.new
+                && unfinished
+                && !orphaned.contains(&conversation_id)
+                && !inner
+                    .lanes()
+                    .get(&conversation_id)
+                    .is_some_and(|lane| lane.knows(outcome.run_id))
+            {
+                orphaned.push(conversation_id);
+            }
+        }
+        for conversation_id in orphaned {
+            match inner.adopt(conversation_id, &fresh).await {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(
+                    conversation_id,
+                    runs = n,
+                    "took over runs another process admitted"
+                ),
+                Err(e) => {
+                    tracing::warn!(conversation_id, error = %e, "could not take over runs another process admitted")
+                }
+            }
+        }
+
         // Apply the committed decisions to the real lanes.
         {
             let mut lanes = inner.lanes();
@@ -601,30 +684,18 @@ impl Runtime for LocalRuntime {
     }
 
     async fn adopt(&self, conversation_id: i64) -> Result<usize, String> {
-        let inner = &self.inner;
         // Serialized with admissions, so a submission that follows sees the
         // adopted runs in the lane.
-        let _serial = inner.admission.lock().await;
-        let rows = inner
-            .store
-            .runs_unfinished_in(conversation_id)
-            .await
-            .map_err(|e| e.to_string())?;
-        let mut adopted = 0;
-        for row in &rows {
-            let known = inner
-                .lanes()
-                .get(&conversation_id)
-                .is_some_and(|lane| lane.knows(row.id));
-            if !known {
-                adopted += usize::from(inner.resume(row).await?);
-            }
-        }
-        Ok(adopted)
+        let _serial = self.inner.admission.lock().await;
+        self.inner.adopt(conversation_id, &[]).await
     }
 
     fn busy(&self, conversation_id: i64) -> bool {
         self.inner.lanes().contains_key(&conversation_id)
+    }
+
+    fn attach_lanes(&self, lanes: Weak<dyn LaneOwnership>) {
+        let _ = self.inner.owner.set(lanes);
     }
 
     async fn close(&self, grace: Duration, force: Duration) -> CloseReport {
