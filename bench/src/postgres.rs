@@ -149,8 +149,8 @@ max_queued_inputs = 1000000
             for i in 0..per_chat {
                 let body = serde_json::json!({
                     "update_id": format!("c{chat}-m{i}"),
-                    "chat": {"id": format!("chat-{chat}")},
-                    "from": {"id": "bench"},
+                    "chat": {"id": format!("chat-{chat}"), "kind": "private"},
+                    "sender": {"id": format!("user-{chat}")},
                     "text": format!("message {i} of chat {chat}"),
                 });
                 let mut target = chat + i;
@@ -158,6 +158,13 @@ max_queued_inputs = 1000000
                     let url = &urls[target % urls.len()];
                     match client.post(url).json(&body).send().await {
                         Ok(r) if r.status().as_u16() == 202 => break,
+                        Ok(r) if r.status().is_client_error() => {
+                            let status = r.status();
+                            anyhow::bail!(
+                                "the daemon refused an update with {status}: {}",
+                                r.text().await.unwrap_or_default()
+                            );
+                        }
                         _ => {
                             target += 1;
                             tokio::time::sleep(Duration::from_millis(5)).await;
@@ -166,10 +173,11 @@ max_queued_inputs = 1000000
                 }
                 accepted.fetch_add(1, Ordering::Relaxed);
             }
+            anyhow::Ok(())
         }));
     }
     for s in senders {
-        s.await?;
+        s.await??;
     }
     let posted = started.elapsed();
     let total = per_chat * chats;
