@@ -179,7 +179,7 @@ async fn ingest_once(updates: usize, latency_secs: f64, rep: usize) -> anyhow::R
     let rate = 1_000.0;
     let count = (rate * latency_secs) as usize;
     let url = daemon.updates_url.clone();
-    let results = util::open_loop(rate, count, |i, at| {
+    let results = util::open_loop(rate, count, CONNECTIONS, |i, at| {
         let (client, url) = (client.clone(), url.clone());
         async move {
             let body = util::update_body(&format!("l{rep}-{i}"), &format!("c{}", i % CHATS), "hi");
@@ -315,7 +315,7 @@ async fn e2e_load(
     let tag = tag.to_owned();
     let cpu_before = util::cpu_split();
     let started = Instant::now();
-    let results = util::open_loop(rate, count, |i, at| {
+    let results = util::open_loop(rate, count, CONNECTIONS, |i, at| {
         let (client, url, tag) = (client.clone(), url.clone(), tag.clone());
         async move {
             let text = format!("{tag}-{i}");

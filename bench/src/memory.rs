@@ -355,11 +355,14 @@ async fn steady_load(url: String, rate: f64, secs: f64, errors: Arc<AtomicUsize>
     let client = util::http_client(64).expect("http client");
     let count = (rate * secs) as usize;
     let start = Instant::now();
+    let permits = Arc::new(tokio::sync::Semaphore::new(64));
     for i in 0..count {
         let at = start + Duration::from_secs_f64(i as f64 / rate);
         tokio::time::sleep_until(at.into()).await;
         let (client, url, errors) = (client.clone(), url.clone(), errors.clone());
+        let permits = permits.clone();
         tokio::spawn(async move {
+            let _permit = permits.acquire_owned().await;
             let body = util::update_body(&format!("s-{i}"), &format!("s{}", i % 2_000), "hi");
             let ok = client
                 .post(&url)

@@ -140,16 +140,18 @@ pub fn percentiles(samples: &mut [Duration]) -> Percentiles {
     }
 }
 
-/// Open loop: call `send(i, intended_start)` for i in 0..rate*secs at a
-/// fixed rate, each in its own task, whatever the earlier ones do (so a
-/// slow answer cannot hide queueing: latency counts from the intended
-/// start). Returns the join handles' results in order.
-pub async fn open_loop<F, Fut, T>(rate: f64, count: usize, send: F) -> Vec<T>
+/// Open loop: call `send(i, intended_start)` for i in 0..count at a
+/// fixed rate, each in its own task, whatever the earlier ones do, with at
+/// most `in_flight` requests outstanding (a bounded set of connections; a
+/// request waiting for one still counts from its intended start, so a slow
+/// answer cannot hide queueing). Returns the results in order.
+pub async fn open_loop<F, Fut, T>(rate: f64, count: usize, in_flight: usize, send: F) -> Vec<T>
 where
     F: Fn(usize, Instant) -> Fut,
     Fut: std::future::Future<Output = T> + Send + 'static,
     T: Send + 'static,
 {
+    let permits = Arc::new(tokio::sync::Semaphore::new(in_flight));
     let start = Instant::now() + Duration::from_millis(5);
     let mut handles = Vec::with_capacity(count);
     let mut next = 0;
@@ -160,7 +162,12 @@ where
             if at > now {
                 break;
             }
-            handles.push(tokio::spawn(send(next, at)));
+            let request = send(next, at);
+            let permits = permits.clone();
+            handles.push(tokio::spawn(async move {
+                let _permit = permits.acquire_owned().await;
+                request.await
+            }));
             next += 1;
         }
         if next < count {
