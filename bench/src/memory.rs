@@ -394,14 +394,17 @@ pub async fn memory(report: &mut Report, scale: Scale, fixture: &Fixture) -> any
         daemon.wait_ready(Duration::from_secs(60)).await?;
         tokio::time::sleep(Duration::from_secs(2)).await;
         let rss = daemon.rss_mb();
-        eprintln!("  memory run {}/{idle_reps}: idle RSS {rss:.1} MB", rep + 1);
+        eprintln!(
+            "  memory run {}/{idle_reps}: idle RSS {rss:.1} MiB",
+            rep + 1
+        );
         idle.push(rss);
         daemon.kill();
     }
     report.add(
         "memory",
         "RSS idle after start",
-        "MB",
+        "MiB",
         idle,
         "empty store, 2 s after READY",
     );
@@ -421,7 +424,7 @@ pub async fn memory(report: &mut Report, scale: Scale, fixture: &Fixture) -> any
             max = max.max(daemon.rss_mb());
             let (journal, outbox) = backlog(&daemon.store).await?;
             eprintln!(
-                "  memory run {}/{} (preloaded): {:.1} s after start, RSS {:.1} MB, {journal} journal rows pending, {outbox} outbox items unsent",
+                "  memory run {}/{} (preloaded): {:.1} s after start, RSS {:.1} MiB, {journal} journal rows pending, {outbox} outbox items unsent",
                 rep + 1,
                 loaded_reps,
                 daemon.started.elapsed().as_secs_f64(),
@@ -440,7 +443,7 @@ pub async fn memory(report: &mut Report, scale: Scale, fixture: &Fixture) -> any
         let rss = daemon.rss_mb();
         max = max.max(rss);
         eprintln!(
-            "  memory run {}/{} (preloaded): backlog done, RSS {rss:.1} MB (peak {max:.1} MB)",
+            "  memory run {}/{} (preloaded): backlog done, RSS {rss:.1} MiB (peak {max:.1} MiB)",
             rep + 1,
             loaded_reps
         );
@@ -452,11 +455,17 @@ pub async fn memory(report: &mut Report, scale: Scale, fixture: &Fixture) -> any
         "{} conversations, {} outbox + {} journal rows, {} of each pending at start",
         size.conversations, size.rows, size.rows, size.pending
     );
-    report.add("memory", "RSS preloaded, backlog done", "MB", loaded, &note);
+    report.add(
+        "memory",
+        "RSS preloaded, backlog done",
+        "MiB",
+        loaded,
+        &note,
+    );
     report.add(
         "memory",
         "RSS preloaded, peak while recovering",
-        "MB",
+        "MiB",
         peak,
         &note,
     );
@@ -485,7 +494,7 @@ pub async fn memory(report: &mut Report, scale: Scale, fixture: &Fixture) -> any
         let t = started.elapsed().as_secs_f64();
         let rss = daemon.rss_mb();
         eprintln!(
-            "  soak {t:.0}/{secs:.0} s at {rate:.0} updates/s: RSS {rss:.1} MB, {} replies received, {} errors",
+            "  soak {t:.0}/{secs:.0} s at {rate:.0} updates/s: RSS {rss:.1} MiB, {} replies received, {} errors",
             receiver.count.load(Ordering::Relaxed),
             errors.load(Ordering::Relaxed)
         );
@@ -507,12 +516,12 @@ pub async fn memory(report: &mut Report, scale: Scale, fixture: &Fixture) -> any
     report.add(
         "soak",
         "RSS at start (first sample)",
-        "MB",
+        "MiB",
         vec![start],
         &note,
     );
-    report.add("soak", "RSS max", "MB", vec![max], &note);
-    report.add("soak", "RSS at end", "MB", vec![end], &note);
+    report.add("soak", "RSS max", "MiB", vec![max], &note);
+    report.add("soak", "RSS at end", "MiB", vec![end], &note);
     report.add(
         "soak",
         "CPU, load generator + receiver",
@@ -527,7 +536,7 @@ pub async fn memory(report: &mut Report, scale: Scale, fixture: &Fixture) -> any
         vec![100.0 * daemon_cpu / wall],
         "",
     );
-    report.set_series("soak RSS (s, MB)", samples);
+    report.set_series("soak RSS (s, MiB)", samples);
     Ok(())
 }
 
