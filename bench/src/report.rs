@@ -22,6 +22,9 @@ pub struct Row {
 #[derive(Debug, Serialize)]
 struct Machine {
     cores: usize,
+    /// The 1-, 5- and 15-minute load averages when the run started (the
+    /// machine is shared).
+    load_average: String,
     sqlite_version: String,
     journal_mode: &'static str,
     synchronous: &'static str,
@@ -32,6 +35,20 @@ struct Machine {
 pub struct Report {
     machine: Machine,
     rows: Vec<Row>,
+    /// Time series (the soak's RSS samples), saved in the JSON.
+    series: Vec<(String, Vec<(f64, f64)>)>,
+}
+
+/// Whole numbers for large figures, two decimals for small ones (latencies
+/// in ms, MB).
+fn fmt(v: f64) -> String {
+    if v.abs() >= 1000.0 {
+        format!("{v:.0}")
+    } else if v.abs() >= 100.0 {
+        format!("{v:.1}")
+    } else {
+        format!("{v:.2}")
+    }
 }
 
 pub fn median(samples: &[f64]) -> f64 {
@@ -57,6 +74,7 @@ impl Report {
         Ok(Report {
             machine: Machine {
                 cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+                load_average: load_average(),
                 sqlite_version: version,
                 journal_mode: "WAL",
                 synchronous: "FULL",
@@ -64,14 +82,16 @@ impl Report {
                 quick: scale.quick,
             },
             rows: Vec::new(),
+            series: Vec::new(),
         })
     }
 
     pub fn print_header(&self) {
         let m = &self.machine;
         println!(
-            "machine: {} cores, SQLite {}, journal_mode={}, synchronous={}; {} repetitions per figure{}",
+            "machine: {} cores (load average {} at start), SQLite {}, journal_mode={}, synchronous={}; {} repetitions per figure{}",
             m.cores,
+            m.load_average,
             m.sqlite_version,
             m.journal_mode,
             m.synchronous,
@@ -79,7 +99,7 @@ impl Report {
             if m.quick { " (--quick)" } else { "" }
         );
         println!(
-            "\n{:<10} {:<38} {:>12} {:>12} {:>12}  unit",
+            "\n{:<10} {:<40} {:>10} {:>10} {:>10}  unit",
             "scenario", "metric", "median", "min", "max"
         );
     }
@@ -103,12 +123,12 @@ impl Report {
             note: note.to_owned(),
         };
         println!(
-            "{:<10} {:<38} {:>12.0} {:>12.0} {:>12.0}  {}{}",
+            "{:<10} {:<40} {:>10} {:>10} {:>10}  {}{}",
             row.scenario,
             row.metric,
-            row.median,
-            row.min,
-            row.max,
+            fmt(row.median),
+            fmt(row.min),
+            fmt(row.max),
             row.unit,
             if row.note.is_empty() {
                 String::new()
@@ -119,6 +139,10 @@ impl Report {
         let m = row.median;
         self.rows.push(row);
         m
+    }
+
+    pub fn set_series(&mut self, name: &str, samples: Vec<(f64, f64)>) {
+        self.series.push((name.to_owned(), samples));
     }
 
     pub fn get(&self, scenario: &str, metric: &str) -> Option<f64> {
@@ -148,6 +172,35 @@ impl Report {
                 d / one
             ));
         }
+        let ratio = |lines: &mut Vec<String>, label: &str, a: (&str, &str), b: (&str, &str)| {
+            if let (Some(x), Some(y)) = (self.get(a.0, a.1), self.get(b.0, b.1)) {
+                lines.push(format!("{label}: {:.2}x", x / y));
+            }
+        };
+        ratio(
+            &mut lines,
+            "ingest (stored and admitted) / raw single-row commits",
+            ("ingest", "updates stored and admitted"),
+            ("limits", "single-row insert commits"),
+        );
+        ratio(
+            &mut lines,
+            "ingest (stored and admitted) / raw batched inserts",
+            ("ingest", "updates stored and admitted"),
+            ("limits", "batched inserts (100 rows/commit)"),
+        );
+        ratio(
+            &mut lines,
+            "dispatch / peer (apalis-sqlite) jobs processed",
+            ("dispatch", "backlog drained"),
+            ("peer", "apalis: jobs processed"),
+        );
+        ratio(
+            &mut lines,
+            "peer (apalis-sqlite) processed / raw claim+ack",
+            ("peer", "apalis: jobs processed"),
+            ("limits", "claim+ack, one transaction each"),
+        );
         if !lines.is_empty() {
             println!("\nratios (medians):");
             for l in lines {
@@ -161,12 +214,21 @@ impl Report {
         struct Out<'a> {
             machine: &'a Machine,
             results: &'a [Row],
+            series: &'a [(String, Vec<(f64, f64)>)],
         }
         let text = serde_json::to_string_pretty(&Out {
             machine: &self.machine,
             results: &self.rows,
+            series: &self.series,
         })?;
         std::fs::write(path, text)?;
         Ok(())
     }
+}
+
+/// `/proc/loadavg`'s first three fields.
+pub fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "unknown".to_owned())
 }
