@@ -1438,6 +1438,15 @@ impl Config {
         if let Err(e) = self.store.location() {
             problem("store.url".into(), e);
         }
+        if self.store.lease_secs < 3 {
+            problem(
+                "store.lease_secs".into(),
+                format!(
+                    "is {}, but a lease must last at least 3 seconds to be renewed in time (default 15)",
+                    self.store.lease_secs
+                ),
+            );
+        }
         if self.store.batch_size == 0 {
             problem("store.batch_size".into(), "must be at least 1".into());
         }

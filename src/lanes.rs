@@ -54,6 +54,9 @@ pub struct Lanes {
     /// When each held lease runs out, readable without waiting (the
     /// runtime checks it before every run it starts).
     until: std::sync::Mutex<HashMap<i64, i64>>,
+    /// Lanes the runtime dropped (it found the lease run out): their runs
+    /// wait in the store and are adopted again at the next renewal.
+    stale: std::sync::Mutex<HashSet<i64>>,
 }
 
 impl LaneOwnership for Lanes {
@@ -63,6 +66,10 @@ impl LaneOwnership for Lanes {
                 .until()
                 .get(&conversation_id)
                 .is_some_and(|until| *until > self.clock.now_ms())
+    }
+
+    fn lost(&self, conversation_id: i64) {
+        self.mark_stale(conversation_id);
     }
 }
 
@@ -83,6 +90,7 @@ impl Lanes {
             runtimes: runtimes.into_iter().filter(|r| r.owns_lanes()).collect(),
             held: Mutex::new(HashMap::new()),
             until: std::sync::Mutex::new(HashMap::new()),
+            stale: std::sync::Mutex::new(HashSet::new()),
         });
         if lanes.shared {
             let weak = Arc::downgrade(&lanes);
@@ -96,6 +104,22 @@ impl Lanes {
 
     fn until(&self) -> std::sync::MutexGuard<'_, HashMap<i64, i64>> {
         self.until.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn stale(&self) -> std::sync::MutexGuard<'_, HashSet<i64>> {
+        self.stale.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn mark_stale(&self, conversation_id: i64) {
+        self.stale().insert(conversation_id);
+    }
+
+    fn is_stale(&self, conversation_id: i64) -> bool {
+        self.stale().contains(&conversation_id)
+    }
+
+    fn take_stale(&self, conversation_id: i64) -> bool {
+        self.stale().remove(&conversation_id)
     }
 
     /// Record a (re)newed lease, or forget a lost or released one.
@@ -124,10 +148,11 @@ impl Lanes {
         if !self.shared {
             return Ok(true);
         }
-        let now = self.clock.now_ms();
         let mut held = self.held.lock().await;
+        let now = self.clock.now_ms();
         if let Some(h) = held.get_mut(&conversation_id)
             && h.until - now > self.ttl_ms / 2
+            && !self.is_stale(conversation_id)
         {
             h.used_at = now;
             return Ok(true);
@@ -161,7 +186,8 @@ impl Lanes {
                     used_at: now,
                 },
             )
-            .is_none_or(|before| before.until <= now);
+            .is_none_or(|before| before.until <= now)
+            | self.take_stale(conversation_id);
         self.set_until(conversation_id, Some(now + self.ttl_ms));
         if fresh && !self.adopt(conversation_id).await {
             // Without its earlier runs the lane would run out of order:
@@ -215,20 +241,19 @@ impl Lanes {
                 _ = stop.cancelled() => return,
                 _ = tokio::time::sleep(period) => {}
             }
-            if let Err(e) = self.maintain().await {
-                tracing::warn!(error = %e, "could not renew lane leases; retrying");
-            }
+            self.maintain().await;
             if let Err(e) = self.sweep().await {
                 tracing::warn!(error = %e, "could not look for lanes left by other processes; retrying");
             }
         }
     }
 
-    async fn maintain(&self) -> StoreResult<()> {
+    async fn maintain(&self) {
         let mut held = self.held.lock().await;
-        let now = self.clock.now_ms();
         let ids: Vec<i64> = held.keys().copied().collect();
         for id in ids {
+            // Read per lane: the round trips before this one took time.
+            let now = self.clock.now_ms();
             let h = held[&id];
             let busy = self.runtimes.iter().any(|r| r.busy(id));
             let name = keys::lane_lease(id);
@@ -236,20 +261,22 @@ impl Lanes {
                 match self
                     .store
                     .lease_acquire(&name, &self.owner, self.ttl_ms, now)
-                    .await?
+                    .await
                 {
-                    Some(_) => {
+                    Ok(Some(_)) => {
                         if let Some(h) = held.get_mut(&id) {
                             h.until = now + self.ttl_ms;
                         }
                         self.set_until(id, Some(now + self.ttl_ms));
-                        if h.until <= now {
-                            // Renewed late: the runtime may have left the
-                            // lane's runs in the store; take them back.
-                            self.adopt(id).await;
+                        // Renewed after it ran out here, or the runtime
+                        // dropped the lane meanwhile: its runs may wait in
+                        // the store only; take them back.
+                        let stale = self.take_stale(id);
+                        if (h.until <= now || stale) && !self.adopt(id).await {
+                            self.mark_stale(id);
                         }
                     }
-                    None => {
+                    Ok(None) => {
                         tracing::warn!(
                             conversation_id = id,
                             "lost the lease of a lane to another process (this one stalled past the lease)"
@@ -257,14 +284,19 @@ impl Lanes {
                         held.remove(&id);
                         self.set_until(id, None);
                     }
+                    Err(e) => {
+                        tracing::warn!(conversation_id = id, error = %e, "could not renew a lane lease; retrying");
+                    }
                 }
             } else {
                 self.set_until(id, None);
-                self.store.lease_release(&name, &self.owner).await?;
+                self.take_stale(id);
+                if let Err(e) = self.store.lease_release(&name, &self.owner).await {
+                    tracing::warn!(conversation_id = id, error = %e, "could not release an idle lane; its lease runs out by itself");
+                }
                 held.remove(&id);
             }
         }
-        Ok(())
     }
 
     /// Unfinished runs of lanes nobody holds belong to a process that died:
@@ -303,14 +335,26 @@ impl Lanes {
         }
         let mut held = self.held.lock().await;
         self.until().clear();
-        for (id, _) in held.drain() {
-            if let Err(e) = self
-                .store
-                .lease_release(&keys::lane_lease(id), &self.owner)
-                .await
-            {
-                tracing::warn!(conversation_id = id, error = %e, "could not release a lane lease; it runs out by itself");
+        let ids: Vec<i64> = held.drain().map(|(id, _)| id).collect();
+        // Bounded: with the database gone, the leases run out by themselves
+        // and shutdown must not wait for each release to time out.
+        let release = async {
+            for id in ids {
+                if let Err(e) = self
+                    .store
+                    .lease_release(&keys::lane_lease(id), &self.owner)
+                    .await
+                {
+                    tracing::warn!(conversation_id = id, error = %e, "could not release a lane lease; it runs out by itself");
+                    return;
+                }
             }
+        };
+        if tokio::time::timeout(Duration::from_secs(5), release)
+            .await
+            .is_err()
+        {
+            tracing::warn!("releasing lane leases took too long; the rest run out by themselves");
         }
     }
 }

@@ -192,3 +192,27 @@ fn the_remote_runtime_example_documents_the_real_defaults() {
         format!("{:?}", minimal.runtimes)
     );
 }
+
+#[test]
+fn a_lease_too_short_to_renew_is_refused_naming_the_key() {
+    let err = Config::from_toml(
+        r#"
+        [store]
+        url = "postgres://switchboard@127.0.0.1/switchboard"
+        lease_secs = 1
+        [runtimes.default]
+        kind = "local"
+        model = { backend = "echo" }
+        [channels.local]
+        kind = "webhook"
+        runtime = "default"
+        callback_url = "http://127.0.0.1:8790/replies"
+        "#,
+    )
+    .expect_err("a 1-second lease is refused")
+    .to_string();
+    assert!(
+        err.contains("store.lease_secs") && err.contains("at least 3 seconds"),
+        "{err}"
+    );
+}

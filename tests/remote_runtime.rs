@@ -274,7 +274,7 @@ async fn policies_against(url: &str, dir: &Path) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn every_input_policy_works_against_switchboard_runtime_serve() {
     let dir = tempfile::tempdir().unwrap();
-    let served = serve(dir.path(), 60).await;
+    let served = serve(dir.path(), 150).await;
     let daemon_dir = tempfile::tempdir().unwrap();
     policies_against(&served.url, daemon_dir.path()).await;
 }
@@ -326,7 +326,7 @@ async fn python_runtime(dir: &Path, port: u16, word_delay_ms: u64) -> Option<Ser
 async fn a_runtime_written_from_the_protocol_document_alone_passes_the_connector_tests() {
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
-    let Some(reference) = python_runtime(dir.path(), port, 60).await else {
+    let Some(reference) = python_runtime(dir.path(), port, 150).await else {
         return;
     };
     let daemon_dir = tempfile::tempdir().unwrap();

@@ -168,6 +168,12 @@ pub trait LaneOwnership: Send + Sync {
     /// Whether this process holds the conversation's lane lease now, by a
     /// conservative reading of its own clock.
     fn owns(&self, conversation_id: i64) -> bool;
+
+    /// The runtime dropped the conversation's lane because [`owns`] said
+    /// no; its runs wait in the store until the lane is adopted again.
+    ///
+    /// [`owns`]: LaneOwnership::owns
+    fn lost(&self, conversation_id: i64);
 }
 
 /// An agent runtime.

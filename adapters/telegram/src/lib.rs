@@ -488,6 +488,7 @@ impl TelegramChannel {
                     code: 401 | 404, ..
                 }) => {
                     sink.report_status(account, revoked(account));
+                    sink.release_role(&role).await;
                     return;
                 }
                 Err(e) => {
@@ -506,6 +507,7 @@ impl TelegramChannel {
                     up = false;
                     sink.report_status(account, AccountStatus::Down(reason));
                     if sleep_or_stop(wait, stop).await {
+                        sink.release_role(&role).await;
                         return;
                     }
                     continue;
@@ -526,10 +528,14 @@ impl TelegramChannel {
                 match self.ingest(sink, &update).await {
                     Ok(()) => offset = offset.max(update_id + 1),
                     // Shutting down: leave the update unconfirmed.
-                    Err(IngressError::Unavailable(_)) => return,
+                    Err(IngressError::Unavailable(_)) => {
+                        sink.release_role(&role).await;
+                        return;
+                    }
                     Err(IngressError::Store(e)) => {
                         tracing::error!(account = %account, error = %e, "could not journal a Telegram update; it stays unconfirmed and is fetched again");
                         if sleep_or_stop(backoff.next(None), stop).await {
+                            sink.release_role(&role).await;
                             return;
                         }
                         break;

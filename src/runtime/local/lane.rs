@@ -209,6 +209,11 @@ impl Lane {
         self.queue.len()
     }
 
+    /// The ids of the queued runs, in execution order.
+    pub fn queued_ids(&self) -> Vec<i64> {
+        self.queue.iter().map(|q| q.run_id).collect()
+    }
+
     /// Inputs waiting in queued runs.
     pub fn queued_inputs(&self) -> usize {
         self.queue.iter().map(|q| q.inputs.len()).sum()

@@ -240,6 +240,10 @@ impl Inner {
                         "lost the conversation's lane to another process; leaving its runs to it"
                     );
                     lanes.remove(&conversation_id);
+                    drop(lanes);
+                    if let Some(Some(owner)) = self.owner.get().map(Weak::upgrade) {
+                        owner.lost(conversation_id);
+                    }
                     return;
                 }
                 let next = if self.closing.load(Ordering::SeqCst) {
@@ -321,6 +325,20 @@ impl Inner {
             .runs_unfinished_in(conversation_id)
             .await
             .map_err(|e| e.to_string())?;
+        // Queued runs the store no longer has unfinished were ended
+        // elsewhere (another process ran them while this one stalled).
+        {
+            let unfinished: Vec<i64> = rows.iter().map(|r| r.id).collect();
+            let mut lanes = self.lanes();
+            if let Some(lane) = lanes.get_mut(&conversation_id) {
+                let gone: Vec<i64> = lane
+                    .queued_ids()
+                    .into_iter()
+                    .filter(|id| *id >= 0 && !unfinished.contains(id) && !skip.contains(id))
+                    .collect();
+                lane.remove(&gone);
+            }
+        }
         let mut adopted = 0;
         for row in rows.iter().filter(|r| !skip.contains(&r.id)) {
             let known = self
