@@ -355,7 +355,8 @@ async fn a_sqlite_store_copied_into_postgres_carries_on() {
     let mut config = DaemonConfig::new(receiver.url());
     let mut daemon = Daemon::start(dir.path(), &config).await;
     let client = reqwest::Client::new();
-    for i in 0..20 {
+    // More rows than one INSERT of the copy carries (200).
+    for i in 0..250 {
         let body = update(
             &format!("u{i}"),
             &format!("chat-{}", i % 4),
@@ -369,7 +370,7 @@ async fn a_sqlite_store_copied_into_postgres_carries_on() {
         )
         .await;
     }
-    assert!(receiver.wait_for_keys(20, Duration::from_secs(30)).await);
+    assert!(receiver.wait_for_keys(250, Duration::from_secs(60)).await);
     assert_eq!(daemon.terminate(Duration::from_secs(20)), Some(0));
 
     let sqlite = format!("sqlite://{}", dir.path().join("switchboard.db").display());
@@ -383,7 +384,7 @@ async fn a_sqlite_store_copied_into_postgres_carries_on() {
         "{stdout}{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(stdout.contains("inbound: 20"), "{stdout}");
+    assert!(stdout.contains("inbound: 250"), "{stdout}");
 
     // Copying again into the same (now full) database is refused.
     let again = std::process::Command::new(common::BIN)
@@ -424,12 +425,12 @@ async fn a_sqlite_store_copied_into_postgres_carries_on() {
         .await;
     }
     assert!(
-        receiver.wait_for_keys(28, Duration::from_secs(30)).await,
+        receiver.wait_for_keys(258, Duration::from_secs(30)).await,
         "{}",
         daemon.logs()
     );
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(receiver.distinct_keys(), 28, "nothing answered twice");
+    assert_eq!(receiver.distinct_keys(), 258, "nothing answered twice");
     let store = switchboard::store::open(
         &switchboard::config::StoreConfig {
             url,
@@ -439,7 +440,7 @@ async fn a_sqlite_store_copied_into_postgres_carries_on() {
     )
     .await
     .unwrap();
-    let rows = store.journal_list(None, 100).await.unwrap();
+    let rows = store.journal_list(None, 1_000).await.unwrap();
     let old = rows.iter().find(|r| r.update_key == "u3").unwrap();
     let new = rows.iter().find(|r| r.update_key == "v3").unwrap();
     assert_eq!(

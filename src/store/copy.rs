@@ -10,6 +10,8 @@
 
 use std::str::FromStr;
 
+use futures::TryStreamExt;
+
 use sqlx::postgres::PgArguments;
 use sqlx::query::Query;
 use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions, SqliteRow};
@@ -108,40 +110,29 @@ pub async fn sqlite_to_postgres(from: &str, to: &str) -> StoreResult<CopyReport>
         .await?;
         let names: Vec<&str> = columns.iter().map(|(n, _)| n.as_str()).collect();
         let select = format!("SELECT {} FROM {table} ORDER BY rowid", names.join(", "));
-        let rows: Vec<SqliteRow> = sqlx::query(sqlx::AssertSqlSafe(select))
-            .fetch_all(&source)
-            .await
-            .map_err(|e| {
-                StoreError::Other(format!(
-                    "reading {table} from the SQLite store: {e} (is it a Switchboard store of this version? run `switchboard migrate` on it first)"
-                ))
-            })?;
-        for chunk in rows.chunks(ROWS_PER_INSERT) {
-            let mut sql = format!("INSERT INTO {table} ({}) VALUES ", names.join(", "));
-            let mut n = 0;
-            for (r, _) in chunk.iter().enumerate() {
-                if r > 0 {
-                    sql.push_str(", ");
-                }
-                sql.push('(');
-                for c in 0..columns.len() {
-                    if c > 0 {
-                        sql.push_str(", ");
-                    }
-                    n += 1;
-                    sql.push_str(&format!("${n}"));
-                }
-                sql.push(')');
+        // Streamed in chunks, so a large journal never sits in memory whole.
+        let read_error = |e: sqlx::Error| {
+            StoreError::Other(format!(
+                "reading {table} from the SQLite store: {e} (is it a Switchboard store of this version? run `switchboard migrate` on it first)"
+            ))
+        };
+        let mut rows = sqlx::query(sqlx::AssertSqlSafe(select)).fetch(&source);
+        let mut copied: u64 = 0;
+        let mut chunk: Vec<SqliteRow> = Vec::with_capacity(ROWS_PER_INSERT);
+        loop {
+            let next = rows.try_next().await.map_err(read_error)?;
+            let done = next.is_none();
+            chunk.extend(next);
+            if chunk.len() == ROWS_PER_INSERT || (done && !chunk.is_empty()) {
+                insert_chunk(&mut tx, table, &columns, &chunk).await?;
+                copied += chunk.len() as u64;
+                chunk.clear();
             }
-            let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
-            for row in chunk {
-                for (i, (name, kind)) in columns.iter().enumerate() {
-                    query = bind(query, row, i, kind)
-                        .map_err(|e| StoreError::Other(format!("{table}.{name}: {e}")))?;
-                }
+            if done {
+                break;
             }
-            query.execute(&mut *tx).await?;
         }
+        drop(rows);
         if names.contains(&"id") {
             sqlx::query(sqlx::AssertSqlSafe(format!(
                 "SELECT setval(pg_get_serial_sequence('{table}', 'id'), GREATEST(COALESCE(MAX(id), 0), 1), MAX(id) IS NOT NULL) FROM {table}"
@@ -149,12 +140,47 @@ pub async fn sqlite_to_postgres(from: &str, to: &str) -> StoreResult<CopyReport>
             .execute(&mut *tx)
             .await?;
         }
-        report.tables.push(((*table).to_owned(), rows.len() as u64));
+        report.tables.push(((*table).to_owned(), copied));
     }
     tx.commit().await?;
     source.close().await;
     pool.close().await;
     Ok(report)
+}
+
+/// One multi-row INSERT of `rows` into `table`.
+async fn insert_chunk(
+    tx: &mut sqlx::Transaction<'static, Postgres>,
+    table: &str,
+    columns: &[(String, String)],
+    rows: &[SqliteRow],
+) -> StoreResult<()> {
+    let names: Vec<&str> = columns.iter().map(|(n, _)| n.as_str()).collect();
+    let mut sql = format!("INSERT INTO {table} ({}) VALUES ", names.join(", "));
+    let mut n = 0;
+    for r in 0..rows.len() {
+        if r > 0 {
+            sql.push_str(", ");
+        }
+        sql.push('(');
+        for c in 0..columns.len() {
+            if c > 0 {
+                sql.push_str(", ");
+            }
+            n += 1;
+            sql.push_str(&format!("${n}"));
+        }
+        sql.push(')');
+    }
+    let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
+    for row in rows {
+        for (i, (name, kind)) in columns.iter().enumerate() {
+            query = bind(query, row, i, kind)
+                .map_err(|e| StoreError::Other(format!("{table}.{name}: {e}")))?;
+        }
+    }
+    query.execute(&mut **tx).await?;
+    Ok(())
 }
 
 /// Bind column `i` of a SQLite row as the PostgreSQL column type `kind`.
