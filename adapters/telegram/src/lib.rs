@@ -48,8 +48,9 @@ use teloxide::{ApiError, Bot, RequestError};
 use tokio_util::sync::CancellationToken;
 
 /// How often a process standing by for a bot's poller role asks again: a
-/// dead poller is replaced within its lease plus this.
-const POLLER_STANDBY_RETRY: Duration = Duration::from_secs(5);
+/// dead poller is replaced within its lease plus this (the promise is the
+/// lease plus 5 s; 2 s leaves room for a slow database and scheduling).
+const POLLER_STANDBY_RETRY: Duration = Duration::from_secs(2);
 
 pub use convert::{BotContext, Edits};
 
@@ -395,6 +396,10 @@ impl TelegramChannel {
                 Ok(true) => {
                     if standing_by {
                         tracing::info!(account = %account, "took over polling from another process");
+                        sink.report_status(
+                            account,
+                            AccountStatus::Up(format!("polling as @{username}")),
+                        );
                     }
                     return true;
                 }
