@@ -69,7 +69,11 @@ impl LaneOwnership for Lanes {
     }
 
     fn lost(&self, conversation_id: i64) {
-        self.mark_stale(conversation_id);
+        // Only a lease still held here (run out locally, not yet renewed)
+        // needs its runs back; one lost to another process is adopted there.
+        if self.until().contains_key(&conversation_id) {
+            self.mark_stale(conversation_id);
+        }
     }
 }
 
@@ -168,6 +172,7 @@ impl Lanes {
             .await?;
         if token.is_none() {
             self.set_until(conversation_id, None);
+            self.take_stale(conversation_id);
             if held.remove(&conversation_id).is_some() {
                 tracing::warn!(
                     conversation_id,
@@ -283,6 +288,7 @@ impl Lanes {
                         );
                         held.remove(&id);
                         self.set_until(id, None);
+                        self.take_stale(id);
                     }
                     Err(e) => {
                         tracing::warn!(conversation_id = id, error = %e, "could not renew a lane lease; retrying");
@@ -335,6 +341,7 @@ impl Lanes {
         }
         let mut held = self.held.lock().await;
         self.until().clear();
+        self.stale().clear();
         let ids: Vec<i64> = held.drain().map(|(id, _)| id).collect();
         // Bounded: with the database gone, the leases run out by themselves
         // and shutdown must not wait for each release to time out.
