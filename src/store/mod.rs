@@ -17,6 +17,7 @@
 pub mod batch;
 pub mod copy;
 pub mod postgres;
+mod rows;
 pub mod sqlite;
 mod types;
 

@@ -10,17 +10,15 @@
 
 use async_trait::async_trait;
 use sqlx::Row;
-use sqlx::postgres::PgRow;
 use sqlx::{Postgres, Transaction};
-use switchboard_channel::{ChatKind, InputPolicy};
 
+use super::PgStore;
 use super::outbox::insert_item;
-use super::{PgStore, bad_value, thread_from_db, thread_to_db};
+use crate::store::rows::{bad_value, inbound_from_row, thread_from_db, thread_to_db};
 use crate::store::{
     Admitted, Disposition, InboundRow, JournalOutcome, JournalStore, NewInbound, NewOutboxItem,
     RecentChat, StoreError, StoreResult,
 };
-use crate::surface::SurfaceKind;
 
 macro_rules! inbound_select {
     () => {
@@ -97,39 +95,6 @@ const INSERT_ATTEMPTS: usize = 3;
 /// How many times one update looks for (or opens) its conversation when the
 /// conversation keeps being opened and closed by others meanwhile.
 const CONVERSATION_ATTEMPTS: usize = 4;
-
-fn inbound_from_row(row: &PgRow) -> StoreResult<InboundRow> {
-    let chat_kind: String = row.try_get("chat_kind")?;
-    let surface: String = row.try_get("surface")?;
-    let disposition: String = row.try_get("disposition")?;
-    let policy: Option<String> = row.try_get("input_policy")?;
-    Ok(InboundRow {
-        id: row.try_get("id")?,
-        account: row.try_get("account")?,
-        update_key: row.try_get("update_key")?,
-        conversation_id: row.try_get("conversation_id")?,
-        chat_id: row.try_get("chat_id")?,
-        chat_kind: ChatKind::parse(&chat_kind).ok_or_else(|| bad_value("chat_kind", &chat_kind))?,
-        thread_id: thread_from_db(row.try_get("thread_id")?),
-        space: row.try_get("space")?,
-        surface: SurfaceKind::parse(&surface).ok_or_else(|| bad_value("surface", &surface))?,
-        sender_id: row.try_get("sender_id")?,
-        sender_name: row.try_get("sender_name")?,
-        message_id: row.try_get("message_id")?,
-        payload: row.try_get("payload")?,
-        disposition: Disposition::parse(&disposition)
-            .ok_or_else(|| bad_value("disposition", &disposition))?,
-        reason: row.try_get("reason")?,
-        submission_key: row.try_get("submission_key")?,
-        input_policy: policy
-            .map(|p| InputPolicy::parse(&p).ok_or_else(|| bad_value("input_policy", &p)))
-            .transpose()?,
-        addressed: row.try_get("addressed")?,
-        run_id: row.try_get("run_id")?,
-        received_at: row.try_get("received_at")?,
-        settled_at: row.try_get("settled_at")?,
-    })
-}
 
 /// Whether PostgreSQL aborted the transaction to break a deadlock (or a
 /// serialization conflict): trying it again is safe, nothing was written.

@@ -86,19 +86,6 @@ async fn lock_conversation(
     Ok(())
 }
 
-fn bad_value(column: &str, value: &str) -> StoreError {
-    StoreError::Other(format!("unexpected value {value:?} in column {column}"))
-}
-
-/// An absent thread is stored as '' so it can take part in unique keys.
-fn thread_to_db(thread: &Option<String>) -> &str {
-    thread.as_deref().unwrap_or("")
-}
-
-fn thread_from_db(thread: String) -> Option<String> {
-    (!thread.is_empty()).then_some(thread)
-}
-
 #[async_trait]
 impl Store for PgStore {
     fn describe(&self) -> String {

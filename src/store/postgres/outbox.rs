@@ -18,16 +18,14 @@
 use std::collections::HashSet;
 
 use async_trait::async_trait;
-use sqlx::postgres::PgRow;
 use sqlx::{Postgres, Row, Transaction};
-use switchboard_channel::AttachmentRef;
 
-use super::{PgStore, bad_value, lock_conversation, thread_from_db, thread_to_db};
+use super::{PgStore, lock_conversation};
+use crate::store::rows::{attachments_to_db, bad_value, item_from_row, thread_to_db};
 use crate::store::{
-    Claim, DispatchState, ItemKind, NewOutboxItem, OutboxFilter, OutboxItem, OutboxStats,
-    OutboxStore, Outcome, Reconcile, ReconcileAction, Resolution, Settlement, StoreResult,
+    Claim, DispatchState, NewOutboxItem, OutboxFilter, OutboxItem, OutboxStats, OutboxStore,
+    Outcome, Reconcile, ReconcileAction, Resolution, Settlement, StoreResult,
 };
-use crate::surface::SurfaceKind;
 
 macro_rules! outbox_columns {
     () => {
@@ -127,57 +125,6 @@ pub(super) const EXPIRED: &str = concat!(
 );
 // The conversations of some items (whose lanes a transaction will lock).
 const CONVERSATIONS_OF: &str = "SELECT DISTINCT conversation_id FROM outbox WHERE id = ANY($1)";
-
-fn attachments_to_db(attachments: &[AttachmentRef]) -> StoreResult<Option<String>> {
-    if attachments.is_empty() {
-        return Ok(None);
-    }
-    serde_json::to_string(attachments)
-        .map(Some)
-        .map_err(|e| bad_value("attachments", &e.to_string()))
-}
-
-fn attachments_from_db(stored: Option<String>) -> StoreResult<Vec<AttachmentRef>> {
-    match stored {
-        None => Ok(Vec::new()),
-        Some(json) => serde_json::from_str(&json).map_err(|_| bad_value("attachments", &json)),
-    }
-}
-
-fn item_from_row(row: &PgRow) -> StoreResult<OutboxItem> {
-    let surface: String = row.try_get("surface")?;
-    let kind: String = row.try_get("kind")?;
-    let state: String = row.try_get("state")?;
-    Ok(OutboxItem {
-        id: row.try_get("id")?,
-        item_key: row.try_get("item_key")?,
-        conversation_id: row.try_get("conversation_id")?,
-        ordinal: row.try_get("ordinal")?,
-        account: row.try_get("account")?,
-        chat_id: row.try_get("chat_id")?,
-        thread_id: thread_from_db(row.try_get("thread_id")?),
-        surface: SurfaceKind::parse(&surface).ok_or_else(|| bad_value("surface", &surface))?,
-        reply_to: row.try_get("reply_to")?,
-        run_id: row.try_get("run_id")?,
-        kind: ItemKind::parse(&kind).ok_or_else(|| bad_value("kind", &kind))?,
-        text: row.try_get("text")?,
-        group_key: row.try_get("group_key")?,
-        edits_key: row.try_get("edits_key")?,
-        attachments: attachments_from_db(row.try_get("attachments")?)?,
-        state: DispatchState::parse(&state).ok_or_else(|| bad_value("state", &state))?,
-        attempts: row.try_get("attempts")?,
-        resends: row.try_get("resends")?,
-        next_attempt_at: row.try_get("next_attempt_at")?,
-        lease_owner: row.try_get("lease_owner")?,
-        lease_expires_at: row.try_get("lease_expires_at")?,
-        fencing_token: row.try_get("fencing_token")?,
-        dispatched_at: row.try_get("dispatched_at")?,
-        receipt: row.try_get("receipt")?,
-        reason: row.try_get("reason")?,
-        created_at: row.try_get("created_at")?,
-        settled_at: row.try_get("settled_at")?,
-    })
-}
 
 /// The lanes (conversations) a transaction holds the locks of.
 #[derive(Default)]

@@ -10,11 +10,11 @@
 //! winner's row.
 
 use async_trait::async_trait;
-use sqlx::postgres::PgRow;
 use sqlx::{Postgres, Row, Transaction};
 
 use super::outbox::insert_item;
-use super::{PgStore, bad_value, lock_conversation, thread_from_db, thread_to_db};
+use super::{PgStore, lock_conversation};
+use crate::store::rows::{bad_value, run_from_row, thread_from_db, thread_to_db};
 use crate::store::{
     Admit, AdmitOutcome, AdmitTarget, InputRow, ItemKind, NewOutboxItem, NewRun, RunEventRow,
     RunFinish, RunMode, RunRow, RunState, RunStore, StopOutcome, StopRequest, StoreError,
@@ -119,37 +119,6 @@ const INSERT_KEYED_CONVERSATION: &str = "INSERT INTO conversations (account, cha
 struct EndNotice {
     item_key: String,
     text: String,
-}
-
-fn run_from_row(row: &PgRow) -> StoreResult<RunRow> {
-    let surface: String = row.try_get("surface")?;
-    let state: String = row.try_get("state")?;
-    let mode: String = row.try_get("mode")?;
-    let end_as: Option<String> = row.try_get("end_as")?;
-    Ok(RunRow {
-        id: row.try_get("id")?,
-        conversation_id: row.try_get("conversation_id")?,
-        runtime: row.try_get("runtime")?,
-        account: row.try_get("account")?,
-        chat_id: row.try_get("chat_id")?,
-        thread_id: thread_from_db(row.try_get("thread_id")?),
-        surface: SurfaceKind::parse(&surface).ok_or_else(|| bad_value("surface", &surface))?,
-        reply_to: row.try_get("reply_to")?,
-        mode: RunMode::parse(&mode).ok_or_else(|| bad_value("mode", &mode))?,
-        state: RunState::parse(&state).ok_or_else(|| bad_value("state", &state))?,
-        priority: row.try_get("priority")?,
-        end_as: end_as
-            .map(|e| RunState::parse(&e).ok_or_else(|| bad_value("end_as", &e)))
-            .transpose()?,
-        end_notice: row.try_get("end_notice")?,
-        prompt: row.try_get("prompt")?,
-        answer: row.try_get("answer")?,
-        reason: row.try_get("reason")?,
-        absorbed_by: row.try_get("absorbed_by")?,
-        created_at: row.try_get("created_at")?,
-        started_at: row.try_get("started_at")?,
-        finished_at: row.try_get("finished_at")?,
-    })
 }
 
 async fn insert_run(tx: &mut Transaction<'static, Postgres>, run: &NewRun) -> StoreResult<i64> {

@@ -1,28 +1,13 @@
 //! Pairings of direct-message users on SQLite.
 
 use async_trait::async_trait;
-use sqlx::Row;
-use sqlx::sqlite::SqliteRow;
 
-use super::{SqliteStore, bad_value};
-use crate::store::{AccessStore, PairingRow, PairingState, StoreResult};
+use super::SqliteStore;
+use crate::store::rows::pairing_from_row;
+use crate::store::{AccessStore, PairingRow, StoreResult};
 
 const COLUMNS: &str =
     "account, user_id, user_name, code, state, created_at, expires_at, decided_at";
-
-fn pairing_from_row(row: &SqliteRow) -> StoreResult<PairingRow> {
-    let state: String = row.try_get("state")?;
-    Ok(PairingRow {
-        account: row.try_get("account")?,
-        user_id: row.try_get("user_id")?,
-        user_name: row.try_get("user_name")?,
-        code: row.try_get("code")?,
-        state: PairingState::parse(&state).ok_or_else(|| bad_value("state", &state))?,
-        created_at: row.try_get("created_at")?,
-        expires_at: row.try_get("expires_at")?,
-        decided_at: row.try_get("decided_at")?,
-    })
-}
 
 #[async_trait]
 impl AccessStore for SqliteStore {

@@ -167,23 +167,6 @@ fn take_process_lock(path: &Path) -> StoreResult<File> {
     }
 }
 
-/// `''` in the database is "no thread".
-fn thread_to_db(thread: &Option<String>) -> &str {
-    thread.as_deref().unwrap_or("")
-}
-
-fn thread_from_db(thread: String) -> Option<String> {
-    if thread.is_empty() {
-        None
-    } else {
-        Some(thread)
-    }
-}
-
-fn bad_value(column: &str, value: &str) -> StoreError {
-    StoreError::Other(format!("unexpected value {value:?} in column {column}"))
-}
-
 /// Promise 10: every hot-path statement reads through an index. SQLite's
 /// own planner is asked about the very statements the store runs; a full
 /// table scan or a sort of an unbounded result fails the test.

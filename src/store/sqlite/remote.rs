@@ -2,34 +2,15 @@
 
 use async_trait::async_trait;
 use sqlx::Row;
-use sqlx::sqlite::SqliteRow;
 
+use super::SqliteStore;
 use super::outbox::insert_item;
-use super::{SqliteStore, bad_value, thread_from_db, thread_to_db};
+use crate::store::rows::{bad_value, remote_from_row, thread_from_db, thread_to_db};
 use crate::store::{NewOutboxItem, RemoteRun, RemoteStore, StoreResult};
 use crate::surface::SurfaceKind;
 
 const COLUMNS: &str = "runtime, run_id, conversation_id, account, chat_id, thread_id, surface,
     reply_to, end_notice, state, event_id, created_at";
-
-fn remote_from_row(row: &SqliteRow) -> StoreResult<RemoteRun> {
-    let surface: String = row.try_get("surface")?;
-    let state: String = row.try_get("state")?;
-    Ok(RemoteRun {
-        runtime: row.try_get("runtime")?,
-        run_id: row.try_get("run_id")?,
-        conversation_id: row.try_get("conversation_id")?,
-        account: row.try_get("account")?,
-        chat_id: row.try_get("chat_id")?,
-        thread_id: thread_from_db(row.try_get("thread_id")?),
-        surface: SurfaceKind::parse(&surface).ok_or_else(|| bad_value("surface", &surface))?,
-        reply_to: row.try_get("reply_to")?,
-        end_notice: row.try_get("end_notice")?,
-        awaited: state == "awaited",
-        event_id: row.try_get("event_id")?,
-        created_at: row.try_get("created_at")?,
-    })
-}
 
 async fn advance(
     tx: &mut sqlx::Transaction<'static, sqlx::Sqlite>,

@@ -1,11 +1,11 @@
 //! Durable runs of the built-in runtime on SQLite.
 
 use async_trait::async_trait;
-use sqlx::sqlite::SqliteRow;
 use sqlx::{Row, Sqlite, Transaction};
 
+use super::SqliteStore;
 use super::outbox::insert_item;
-use super::{SqliteStore, bad_value, thread_from_db, thread_to_db};
+use crate::store::rows::{bad_value, run_from_row, thread_from_db, thread_to_db};
 use crate::store::{
     Admit, AdmitOutcome, AdmitTarget, InputRow, ItemKind, NewOutboxItem, NewRun, RunEventRow,
     RunFinish, RunMode, RunRow, RunState, RunStore, StopOutcome, StopRequest, StoreResult,
@@ -81,37 +81,6 @@ pub(super) const ACTIVE_OF_CONVERSATION: &str = "SELECT id, state FROM runs
 struct EndNotice {
     item_key: String,
     text: String,
-}
-
-fn run_from_row(row: &SqliteRow) -> StoreResult<RunRow> {
-    let surface: String = row.try_get("surface")?;
-    let state: String = row.try_get("state")?;
-    let mode: String = row.try_get("mode")?;
-    let end_as: Option<String> = row.try_get("end_as")?;
-    Ok(RunRow {
-        id: row.try_get("id")?,
-        conversation_id: row.try_get("conversation_id")?,
-        runtime: row.try_get("runtime")?,
-        account: row.try_get("account")?,
-        chat_id: row.try_get("chat_id")?,
-        thread_id: thread_from_db(row.try_get("thread_id")?),
-        surface: SurfaceKind::parse(&surface).ok_or_else(|| bad_value("surface", &surface))?,
-        reply_to: row.try_get("reply_to")?,
-        mode: RunMode::parse(&mode).ok_or_else(|| bad_value("mode", &mode))?,
-        state: RunState::parse(&state).ok_or_else(|| bad_value("state", &state))?,
-        priority: row.try_get("priority")?,
-        end_as: end_as
-            .map(|e| RunState::parse(&e).ok_or_else(|| bad_value("end_as", &e)))
-            .transpose()?,
-        end_notice: row.try_get("end_notice")?,
-        prompt: row.try_get("prompt")?,
-        answer: row.try_get("answer")?,
-        reason: row.try_get("reason")?,
-        absorbed_by: row.try_get("absorbed_by")?,
-        created_at: row.try_get("created_at")?,
-        started_at: row.try_get("started_at")?,
-        finished_at: row.try_get("finished_at")?,
-    })
 }
 
 async fn insert_run(tx: &mut Transaction<'static, Sqlite>, run: &NewRun) -> StoreResult<i64> {

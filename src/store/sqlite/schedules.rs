@@ -2,16 +2,14 @@
 
 use async_trait::async_trait;
 use sqlx::Row;
-use sqlx::sqlite::SqliteRow;
-use switchboard_channel::ChatKind;
 
+use super::SqliteStore;
 use super::outbox::insert_item;
-use super::{SqliteStore, bad_value, thread_from_db, thread_to_db};
+use crate::store::rows::{occurrence_from_row, schedule_from_row, thread_to_db};
 use crate::store::{
-    Fire, Materialize, MissedPolicy, NewSchedule, OccurrenceRow, OccurrenceState, ScheduleAction,
-    ScheduleFilter, ScheduleKind, ScheduleRow, ScheduleState, ScheduleStore, StoreResult, Target,
+    Fire, Materialize, NewSchedule, OccurrenceRow, OccurrenceState, ScheduleFilter, ScheduleRow,
+    ScheduleState, ScheduleStore, StoreResult, Target,
 };
-use crate::surface::SurfaceKind;
 
 macro_rules! schedule_columns {
     () => {
@@ -66,63 +64,6 @@ pub(super) const FAILED: &str = "UPDATE occurrences SET state = 'failed', reason
 pub(super) const RELEASE_EXPIRED: &str = "UPDATE occurrences SET state = 'pending',
         fencing_token = fencing_token + 1, lease_owner = NULL, lease_expires_at = NULL
      WHERE state = 'claimed' AND lease_expires_at <= ?";
-
-fn schedule_from_row(row: &SqliteRow) -> StoreResult<ScheduleRow> {
-    let parse = |col: &str| -> StoreResult<String> { Ok(row.try_get::<String, _>(col)?) };
-    let kind = parse("kind")?;
-    let action = parse("action")?;
-    let state = parse("state")?;
-    let missed = parse("missed_policy")?;
-    let chat_kind = parse("chat_kind")?;
-    let surface = parse("surface")?;
-    Ok(ScheduleRow {
-        id: row.try_get("id")?,
-        kind: ScheduleKind::parse(&kind).ok_or_else(|| bad_value("kind", &kind))?,
-        spec: row.try_get("spec")?,
-        cron: row.try_get("cron")?,
-        timezone: row.try_get("timezone")?,
-        action: ScheduleAction::parse(&action).ok_or_else(|| bad_value("action", &action))?,
-        text: row.try_get("text")?,
-        target: Target {
-            account: row.try_get("account")?,
-            chat_id: row.try_get("chat_id")?,
-            thread_id: thread_from_db(row.try_get("thread_id")?),
-            chat_kind: ChatKind::parse(&chat_kind)
-                .ok_or_else(|| bad_value("chat_kind", &chat_kind))?,
-            surface: SurfaceKind::parse(&surface).ok_or_else(|| bad_value("surface", &surface))?,
-        },
-        state: ScheduleState::parse(&state).ok_or_else(|| bad_value("state", &state))?,
-        next_due_at: row.try_get("next_due_at")?,
-        missed: MissedPolicy::parse(&missed).ok_or_else(|| bad_value("missed_policy", &missed))?,
-        max_attempts: row.try_get("max_attempts")?,
-        fired: row.try_get("fired")?,
-        failed: row.try_get("failed")?,
-        skipped: row.try_get("skipped")?,
-        created_by: row.try_get("created_by")?,
-        created_at: row.try_get("created_at")?,
-        updated_at: row.try_get("updated_at")?,
-    })
-}
-
-fn occurrence_from_row(row: &SqliteRow) -> StoreResult<OccurrenceRow> {
-    let state: String = row.try_get("state")?;
-    Ok(OccurrenceRow {
-        id: row.try_get("id")?,
-        schedule_id: row.try_get("schedule_id")?,
-        slot_at: row.try_get("slot_at")?,
-        key: row.try_get("occurrence_key")?,
-        state: OccurrenceState::parse(&state).ok_or_else(|| bad_value("state", &state))?,
-        attempts: row.try_get("attempts")?,
-        next_attempt_at: row.try_get("next_attempt_at")?,
-        lease_owner: row.try_get("lease_owner")?,
-        lease_expires_at: row.try_get("lease_expires_at")?,
-        fencing_token: row.try_get("fencing_token")?,
-        reason: row.try_get("reason")?,
-        run_id: row.try_get("run_id")?,
-        fired_at: row.try_get("fired_at")?,
-        created_at: row.try_get("created_at")?,
-    })
-}
 
 /// The key of the occurrence of `schedule` at `slot`: its submission
 /// idempotency key or its reply item key.
