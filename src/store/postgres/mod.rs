@@ -86,6 +86,22 @@ async fn lock_conversation(
     Ok(())
 }
 
+/// Take the locks of several conversations, each once, in the order of
+/// their lock keys: every transaction that locks more than one lane takes
+/// them in this order, so none waits in a cycle.
+async fn lock_conversations(
+    tx: &mut Transaction<'static, Postgres>,
+    conversation_ids: impl IntoIterator<Item = i64>,
+) -> StoreResult<()> {
+    let mut ids: Vec<i64> = conversation_ids.into_iter().collect();
+    ids.sort_unstable_by_key(|c| (c & 0x7fff_ffff, *c));
+    ids.dedup();
+    for id in ids {
+        lock_conversation(tx, id).await?;
+    }
+    Ok(())
+}
+
 #[async_trait]
 impl Store for PgStore {
     fn describe(&self) -> String {

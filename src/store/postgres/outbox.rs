@@ -20,7 +20,7 @@ use std::collections::HashSet;
 use async_trait::async_trait;
 use sqlx::{Postgres, Row, Transaction};
 
-use super::{PgStore, lock_conversation};
+use super::{PgStore, lock_conversation, lock_conversations};
 use crate::store::rows::{attachments_to_db, bad_value, item_from_row, thread_to_db};
 use crate::store::{
     Claim, DispatchState, NewOutboxItem, OutboxFilter, OutboxItem, OutboxStats, OutboxStore,
@@ -138,16 +138,12 @@ impl LockedLanes {
         tx: &mut Transaction<'static, Postgres>,
         conversations: impl IntoIterator<Item = i64>,
     ) -> StoreResult<()> {
-        let mut todo: Vec<i64> = conversations
+        let todo: Vec<i64> = conversations
             .into_iter()
             .filter(|c| !self.0.contains(c))
             .collect();
-        todo.sort_unstable_by_key(|c| (c & 0x7fff_ffff, *c));
-        todo.dedup();
-        for conversation_id in todo {
-            lock_conversation(tx, conversation_id).await?;
-            self.0.insert(conversation_id);
-        }
+        lock_conversations(tx, todo.iter().copied()).await?;
+        self.0.extend(todo);
         Ok(())
     }
 

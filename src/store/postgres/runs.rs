@@ -13,7 +13,7 @@ use async_trait::async_trait;
 use sqlx::{Postgres, Row, Transaction};
 
 use super::outbox::insert_item;
-use super::{PgStore, lock_conversation};
+use super::{PgStore, lock_conversations};
 use crate::store::rows::{bad_value, run_from_row, thread_from_db, thread_to_db};
 use crate::store::{
     Admit, AdmitOutcome, AdmitTarget, InputRow, ItemKind, NewOutboxItem, NewRun, RunEventRow,
@@ -159,20 +159,6 @@ async fn find_input(
     }))
 }
 
-/// Take the advisory locks of several conversations, each once, in id
-/// order (the order every multi-conversation writer uses).
-async fn lock_conversations(
-    tx: &mut Transaction<'static, Postgres>,
-    mut conversation_ids: Vec<i64>,
-) -> StoreResult<()> {
-    conversation_ids.sort_unstable();
-    conversation_ids.dedup();
-    for id in conversation_ids {
-        lock_conversation(tx, id).await?;
-    }
-    Ok(())
-}
-
 /// Give the journal rows of a run's inputs a final disposition (cancelled,
 /// absorbed), unless they already have one.
 async fn settle_inputs(
@@ -200,7 +186,7 @@ impl RunStore for PgStore {
         // Every lane the batch admits to, before reading any of its runs:
         // another process admitting to the same lane waits, and then sees
         // this batch's runs and keys.
-        lock_conversations(&mut tx, batch.iter().map(|a| a.conversation_id).collect()).await?;
+        lock_conversations(&mut tx, batch.iter().map(|a| a.conversation_id)).await?;
         let mut out: Vec<AdmitOutcome> = Vec::with_capacity(batch.len());
         for admit in batch {
             if let Some(found) = find_input(&mut tx, &admit.idempotency_key).await? {
